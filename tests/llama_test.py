@@ -1,0 +1,190 @@
+"""The Flax target against HF transformers' PyTorch Llama, and its cache/tree invariants."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from pspec_jax import checkpoints, llama
+
+HF_CONFIGS = {
+  "gqa_untied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+  "mha_tied": dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
+  "llama3_scaling_wide_heads": dict(
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=16,
+    tie_word_embeddings=False,
+    rope_theta=500000.0,
+    rope_scaling=dict(
+      rope_type="llama3",
+      factor=8.0,
+      low_freq_factor=1.0,
+      high_freq_factor=4.0,
+      original_max_position_embeddings=16,
+    ),
+  ),
+}
+
+
+def save_hf_llama(directory, seed=0, dtype=torch.float32, **overrides):
+  """A tiny random HF Llama saved with `save_pretrained`; returns the torch model."""
+  torch.manual_seed(seed)
+  config = transformers.LlamaConfig(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=3,
+    max_position_embeddings=256,
+    initializer_range=0.2,
+    **overrides,
+  )
+  model = transformers.LlamaForCausalLM(config).to(dtype).eval()
+  model.save_pretrained(directory)
+  return model
+
+
+def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
+  with torch.no_grad():
+    return model.float()(torch.from_numpy(tokens).long()).logits.numpy()
+
+
+def full_forward_logits(target, tokens_BT):
+  positions = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+  features, _ = target(jnp.asarray(tokens_BT), positions)
+  return np.asarray(target.logits(features))
+
+
+@pytest.mark.parametrize("name", sorted(HF_CONFIGS))
+def test_logits_match_hf_transformers(tmp_path, name):
+  model = save_hf_llama(tmp_path, **HF_CONFIGS[name])
+  target = checkpoints.load_target(str(tmp_path))
+  tokens = np.random.default_rng(0).integers(0, 96, (2, 40))
+  ref = hf_logits(model, tokens)
+  ours = full_forward_logits(target, tokens)
+  assert np.abs(ref).max() > 1.0  # a meaningful comparison, not two near-zero arrays
+  np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
+
+
+def test_bfloat16_checkpoint_loads(tmp_path):
+  save_hf_llama(tmp_path, dtype=torch.bfloat16, **HF_CONFIGS["gqa_untied"])
+  target = checkpoints.load_target(str(tmp_path))
+  tokens = np.random.default_rng(1).integers(0, 96, (1, 12))
+  # Same bf16 weights, both computed in float32 (reloading keeps HF's RoPE buffer in float32).
+  model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+  np.testing.assert_allclose(
+    full_forward_logits(target, tokens), hf_logits(model, tokens), atol=1e-4, rtol=0
+  )
+
+
+def test_sharded_checkpoint_with_index_loads(tmp_path):
+  model = save_hf_llama(tmp_path, **HF_CONFIGS["gqa_untied"])
+  model.save_pretrained(tmp_path, max_shard_size="40KB")
+  assert (tmp_path / "model.safetensors.index.json").exists()
+  assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+  (tmp_path / "model.safetensors").unlink(missing_ok=True)
+  target = checkpoints.load_target(str(tmp_path))
+  tokens = np.random.default_rng(2).integers(0, 96, (1, 12))
+  np.testing.assert_allclose(
+    full_forward_logits(target, tokens), hf_logits(model, tokens), atol=1e-4, rtol=0
+  )
+
+
+def test_rope_inv_freq_matches_hf_llama3():
+  from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+  hf_cfg = transformers.LlamaConfig(
+    hidden_size=64,
+    num_attention_heads=2,
+    **{k: v for k, v in HF_CONFIGS["llama3_scaling_wide_heads"].items() if k.startswith("rope")},
+  )
+  ref, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
+  ours = llama.rope_inv_freq(
+    checkpoints.config_from_hf(
+      hf_cfg.to_dict()
+      | {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 8,
+        "intermediate_size": 8,
+        "num_hidden_layers": 1,
+      },
+      "x",
+    )
+  )
+  np.testing.assert_allclose(ours, ref.numpy(), rtol=1e-6)
+
+
+TINY = llama.LlamaConfig(
+  vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+  params = llama.init_params(TINY, jax.random.key(0))
+  # Larger weights than the init so that attention patterns actually matter.
+  params = jax.tree.map(lambda x: x * 5 if x.ndim > 2 else x, params)
+  return llama.Target(cfg=TINY, params=params)
+
+
+def test_cached_decode_equals_full_forward(tiny_target):
+  tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, TINY.vocab_size)
+  positions = jnp.broadcast_to(jnp.arange(12), (2, 12))
+  full, _ = tiny_target(tokens, positions)
+  # Prefill 5 tokens, then one token, then a chunk of 6 tokens, through the cache.
+  cache = tiny_target.empty_cache(batch=2, max_len=16)
+  pieces = []
+  for lo, hi in [(0, 5), (5, 6), (6, 12)]:
+    features, kv = tiny_target(tokens[:, lo:hi], positions[:, lo:hi], cache if lo else None)
+    cache = cache.write(kv, jnp.full((2,), hi - lo))
+    pieces.append(features)
+  np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), full, atol=1e-5)
+  assert cache.lengths.tolist() == [12, 12]
+
+
+def test_ragged_cache_lengths_per_sequence(tiny_target):
+  """Sequence b attends to exactly its own cache.lengths[b] slots."""
+  tokens = jax.random.randint(jax.random.key(2), (2, 9), 0, TINY.vocab_size)
+  lengths = jnp.array([3, 7])
+  cache = tiny_target.empty_cache(batch=2, max_len=12)
+  _, kv = tiny_target(tokens[:, :8], jnp.broadcast_to(jnp.arange(8), (2, 8)))
+  cache = cache.write(kv, lengths)  # slots past each length hold junk that must be ignored
+  nxt = jnp.stack([tokens[0, 3], tokens[1, 7]])[:, None]
+  features, _ = tiny_target(nxt, lengths[:, None], cache)
+  for b, n in enumerate([3, 7]):
+    alone, _ = tiny_target(tokens[b : b + 1, : n + 1], jnp.arange(n + 1)[None])
+    np.testing.assert_allclose(features[b, 0], alone[0, -1], atol=1e-5)
+
+
+def test_tree_mask_verification_equals_path_forwards(tiny_target):
+  """Tree nodes with a node mask and per-node positions == running each path on its own."""
+  prefix = jax.random.randint(jax.random.key(3), (1, 6), 0, TINY.vocab_size)
+  cache = tiny_target.empty_cache(batch=1, max_len=16)
+  _, kv = tiny_target(prefix, jnp.arange(6)[None])
+  cache = cache.write(kv, jnp.array([6]))
+  # Tree: root r; children a, b of r; child c of a.  Nodes in order [r, a, b, c].
+  nodes = jnp.array([[10, 11, 12, 13]])
+  parents = [-1, 0, 0, 1]
+  depth = jnp.array([[0, 1, 1, 2]])
+  mask = np.eye(4, dtype=bool)
+  for i, p in enumerate(parents):
+    while p >= 0:
+      mask[i, p], p = True, parents[p]
+  features, _ = tiny_target(nodes, 6 + depth, cache, jnp.asarray(mask))
+  for path in ([0, 1, 3], [0, 2]):
+    seq = jnp.concatenate([prefix, nodes[:, path]], axis=1)
+    alone, _ = tiny_target(seq, jnp.arange(seq.shape[1])[None])
+    np.testing.assert_allclose(features[0, jnp.array(path)], alone[0, 6:], atol=1e-5)
+
+
+def test_config_rejects_bad_fields():
+  with pytest.raises(ValueError, match="num_kv_heads"):
+    llama.LlamaConfig(
+      vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=4, num_kv_heads=3
+    )
+  with pytest.raises(ValueError, match="vocab_size"):
+    llama.LlamaConfig(
+      vocab_size=0, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=4, num_kv_heads=2
+    )
