@@ -1,0 +1,149 @@
+"""Checkpoint loading: the embedded GGUF against transformers' own GGUF loading; bad inputs."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from llama_test import HF_CONFIGS, save_hf_llama
+from pspec_jax import checkpoints, data, decode
+
+PROMPTS = [
+  "What is the capital of France?",
+  "Write a haiku about the sea.",
+  "Explain recursion to a child in two sentences.",
+  "List three prime numbers.",
+  "def fibonacci(n):",
+]
+
+
+@pytest.fixture(scope="module")
+def hf_smollm2():
+  source = checkpoints.resolve_target("smollm2-135m-instruct")
+  directory, filename = os.path.split(source.path)
+  return transformers.AutoModelForCausalLM.from_pretrained(
+    directory, gguf_file=filename, dtype=torch.float32
+  ).eval()
+
+
+def test_gguf_logits_match_transformers_gguf_loading(smollm2, hf_smollm2):
+  target, tokenizer = smollm2
+  assert target.cfg.num_layers == 30 and target.cfg.hidden_size == 576
+  assert target.cfg.num_kv_heads == 3 and target.cfg.tie_embeddings
+  for prompt in PROMPTS[:3]:
+    ids = data.encode_prompt(tokenizer, prompt, chat=True)
+    with torch.no_grad():
+      ref = hf_smollm2(torch.tensor([ids])).logits.numpy()[0]
+    features, _ = target(jnp.asarray([ids]), jnp.arange(len(ids))[None])
+    ours = np.asarray(target.logits(features))[0]
+    # Same dequantised weights; float32 summation order differs (measured max 1.4e-4 at
+    # logit magnitudes ~30).
+    np.testing.assert_allclose(ours, ref, atol=1e-3, rtol=0)
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_gguf_greedy_generations_match_transformers(smollm2, hf_smollm2):
+  target, tokenizer = smollm2
+  encoded = [data.encode_prompt(tokenizer, p, chat=True) for p in PROMPTS]
+  tokens, lengths = data.pad_batch(encoded)
+  cfg = decode.DecodeConfig(max_new_tokens=24, eos_ids=(tokenizer.eos_token_id,))
+  out = decode.generate(target, tokens, lengths, jax.random.key(0), cfg)
+  for row, ids in enumerate(encoded):
+    with torch.no_grad():
+      ref = hf_smollm2.generate(
+        torch.tensor([ids]),
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        max_new_tokens=24,
+        do_sample=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+      )[0, len(ids) :].tolist()
+    assert out.tokens[row, : out.lengths[row]].tolist() == ref, PROMPTS[row]
+
+
+def test_qk_unpermute_inverts_llama_cpp_permute():
+  def llama_cpp_permute(w, n_head):  # as in llama.cpp's convert_hf_to_gguf.py
+    return (
+      w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+  w = np.arange(24 * 5, dtype=np.float32).reshape(24, 5)
+  for heads in (1, 2, 3):
+    np.testing.assert_array_equal(checkpoints._unpermute_qk(llama_cpp_permute(w, heads), heads), w)
+
+
+def test_embedded_default_resolves_without_importing_its_package():
+  source = checkpoints.resolve_target("smollm2-135m-instruct")
+  assert source.kind == "gguf" and source.path.endswith(".gguf") and os.path.isfile(source.path)
+
+
+@pytest.fixture
+def hf_dir(tmp_path):
+  save_hf_llama(tmp_path, **HF_CONFIGS["gqa_untied"])
+  return tmp_path
+
+
+def _edit_config(directory, **changes):
+  path = directory / "config.json"
+  config = json.loads(path.read_text())
+  config.update(changes)
+  path.write_text(json.dumps(config))
+
+
+def test_bad_targets_raise_one_clear_error(tmp_path, hf_dir):
+  cases = {
+    "unknown target 'not-a-model'": "not-a-model",
+    "target not found": str(tmp_path / "missing" / "dir"),
+    "GGUF file not found": str(tmp_path / "missing.gguf"),
+  }
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  cases["has no config.json"] = str(empty)
+  for message, spec in cases.items():
+    with pytest.raises(ValueError, match=message):
+      checkpoints.load_target(spec)
+
+  garbage = tmp_path / "garbage.gguf"
+  garbage.write_bytes(b"not a gguf file at all" * 10)
+  with pytest.raises(ValueError, match="corrupt GGUF file"):
+    checkpoints.load_target(str(garbage))
+
+
+def test_corrupt_safetensors(hf_dir):
+  weights = hf_dir / "model.safetensors"
+  weights.write_bytes(weights.read_bytes()[:-1000])
+  with pytest.raises(ValueError, match="corrupt safetensors file"):
+    checkpoints.load_target(str(hf_dir))
+
+
+def test_missing_weights(hf_dir):
+  (hf_dir / "model.safetensors").unlink()
+  with pytest.raises(ValueError, match="no model.safetensors"):
+    checkpoints.load_target(str(hf_dir))
+
+
+def test_unsupported_architecture(hf_dir):
+  _edit_config(hf_dir, model_type="gpt2", architectures=["GPT2LMHeadModel"])
+  with pytest.raises(ValueError, match="unsupported architecture"):
+    checkpoints.load_target(str(hf_dir))
+
+
+def test_config_that_does_not_match_the_tensors(hf_dir):
+  _edit_config(hf_dir, intermediate_size=80)
+  with pytest.raises(ValueError, match=r"mlp.gate_proj.weight has shape \(64, 32\)"):
+    checkpoints.load_target(str(hf_dir))
+  _edit_config(hf_dir, intermediate_size=64, num_hidden_layers=4)
+  with pytest.raises(ValueError, match="no tensor model.layers.3"):
+    checkpoints.load_target(str(hf_dir))
+
+
+def test_bfloat16_params(hf_dir):
+  target = checkpoints.load_target(str(hf_dir), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(target.params))
+  features, _ = target(jnp.ones((1, 4), jnp.int32), jnp.arange(4)[None])
+  assert features.dtype == jnp.bfloat16 and target.logits(features).dtype == jnp.float32

@@ -1,0 +1,188 @@
+"""The jitted decode loop against a cache-free reference, plus its batching and RNG contracts."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+
+from pspec_jax import decode, llama
+from pspec_jax.sampling import SamplingConfig, filtered_logits, select
+
+TINY = llama.LlamaConfig(
+  vocab_size=64,
+  hidden_size=32,
+  intermediate_size=48,
+  num_layers=2,
+  num_heads=4,
+  num_kv_heads=2,
+  max_position_embeddings=128,
+)
+PROMPTS = [[5, 9, 2, 33, 7], [1, 2], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
+
+
+@pytest.fixture(scope="module")
+def target():
+  params = llama.init_params(TINY, jax.random.key(0))
+  params = jax.tree.map(lambda x: x * 5 if x.ndim > 2 else x, params)
+  return llama.Target(cfg=TINY, params=params)
+
+
+def padded(prompts, width=16):
+  tokens = np.zeros((len(prompts), width), np.int32)
+  for row, p in enumerate(prompts):
+    tokens[row, : len(p)] = p
+  return jnp.asarray(tokens), jnp.asarray([len(p) for p in prompts], jnp.int32)
+
+
+@jax.jit
+def _full_forward_argmax(target, seq_1T):
+  features, _ = target(seq_1T, jnp.arange(seq_1T.shape[1])[None])
+  return jnp.argmax(target.logits(features)[0], axis=-1)
+
+
+def reference_greedy(target, prompt, num_new):
+  """Plain greedy decoding with a full forward over the whole sequence at every step.
+
+  The sequence is zero-padded to a fixed width (one compilation); causal attention keeps the
+  padding from affecting the positions that are read.
+  """
+  seq = list(prompt)
+  for _ in range(num_new):
+    padded_seq = jnp.zeros((1, 32), jnp.int32).at[0, : len(seq)].set(jnp.asarray(seq))
+    seq.append(int(_full_forward_argmax(target, padded_seq)[len(seq) - 1]))
+  return seq[len(prompt) :]
+
+
+def test_greedy_matches_cache_free_reference_on_a_ragged_batch(target):
+  tokens, lengths = padded(PROMPTS)
+  out = decode.generate(
+    target, tokens, lengths, jax.random.key(0), decode.DecodeConfig(max_new_tokens=12)
+  )
+  for row, prompt in enumerate(PROMPTS):
+    assert out.tokens[row].tolist() == reference_greedy(target, prompt, 12)
+  assert out.lengths.tolist() == [12] * 3
+  assert out.rounds.tolist() == [12] * 3  # one target pass per token, prefill included
+  np.testing.assert_allclose(out.tau, 1.0)
+
+
+def test_ragged_batch_equals_each_sequence_alone(target):
+  cfg = decode.DecodeConfig(max_new_tokens=10)
+  batch = decode.generate(target, *padded(PROMPTS), jax.random.key(0), cfg)
+  for row, prompt in enumerate(PROMPTS):
+    alone = decode.generate(target, *padded([prompt], width=9), jax.random.key(0), cfg)
+    assert batch.tokens[row].tolist() == alone.tokens[0].tolist()
+
+
+def test_eos_stops_one_sequence_and_pads_it(target):
+  tokens, lengths = padded(PROMPTS)
+  free = decode.generate(
+    target, tokens, lengths, jax.random.key(0), decode.DecodeConfig(max_new_tokens=12)
+  )
+  eos = int(free.tokens[0, 3])
+  stop_at = free.tokens[0].tolist().index(eos)  # first occurrence
+  cfg = decode.DecodeConfig(max_new_tokens=12, eos_ids=(eos,), pad_id=-1)
+  out = decode.generate(target, tokens, lengths, jax.random.key(0), cfg)
+  assert out.lengths[0] == stop_at + 1
+  assert out.tokens[0, : stop_at + 1].tolist() == free.tokens[0, : stop_at + 1].tolist()
+  assert (out.tokens[0, stop_at + 1 :] == -1).all()
+  for row in (1, 2):  # the others run until their own EOS or the budget
+    seq = free.tokens[row].tolist()
+    expected = seq.index(eos) + 1 if eos in seq else 12
+    assert out.lengths[row] == expected
+
+
+def test_sampling_is_reproducible_from_the_seed(target):
+  tokens, lengths = padded(PROMPTS)
+  cfg = decode.DecodeConfig(
+    max_new_tokens=16, sampling=SamplingConfig(temperature=1.5, top_k=20, top_p=0.95)
+  )
+  a = decode.generate(target, tokens, lengths, jax.random.key(7), cfg)
+  b = decode.generate(target, tokens, lengths, jax.random.key(7), cfg)
+  c = decode.generate(target, tokens, lengths, jax.random.key(8), cfg)
+  assert a.tokens.tolist() == b.tokens.tolist()
+  assert a.tokens.tolist() != c.tokens.tolist()
+
+
+def test_generate_inside_a_user_jit(target):
+  tokens, lengths = padded(PROMPTS)
+  cfg = decode.DecodeConfig(max_new_tokens=8)
+
+  @jax.jit
+  def user_program(target, tokens, lengths, key):
+    out = decode.generate(target, tokens, lengths, key, cfg)
+    return out.tokens, jnp.sum(out.lengths)
+
+  tokens_jit, total = user_program(target, tokens, lengths, jax.random.key(0))
+  direct = decode.generate(target, tokens, lengths, jax.random.key(0), cfg)
+  assert tokens_jit.tolist() == direct.tokens.tolist()
+  assert int(total) == 24
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_stream_yields_exactly_what_generate_returns(target, temperature):
+  tokens, lengths = padded(PROMPTS)
+  cfg = decode.DecodeConfig(
+    max_new_tokens=9, sampling=SamplingConfig(temperature=temperature), eos_ids=(3,)
+  )
+  out = decode.generate(target, tokens, lengths, jax.random.key(3), cfg)
+  streamed = [[] for _ in PROMPTS]
+  for new in decode.stream(target, tokens, lengths, jax.random.key(3), cfg):
+    for row, ids in enumerate(new):
+      streamed[row].extend(ids.tolist())
+  for row in range(len(PROMPTS)):
+    assert streamed[row] == out.tokens[row, : out.lengths[row]].tolist()
+
+
+def test_bad_inputs_raise_one_clear_error(target):
+  tokens, lengths = padded(PROMPTS)
+  key = jax.random.key(0)
+  with pytest.raises(ValueError, match="empty prompt"):
+    decode.generate(
+      target, tokens, lengths.at[1].set(0), key, decode.DecodeConfig(max_new_tokens=8)
+    )
+  with pytest.raises(ValueError, match="does not fit the cache"):
+    decode.generate(target, tokens, lengths, key, decode.DecodeConfig(max_new_tokens=8, max_len=20))
+  with pytest.raises(ValueError, match="exceeds the target's context"):
+    decode.generate(target, tokens, lengths, key, decode.DecodeConfig(max_new_tokens=120))
+  with pytest.raises(ValueError, match="temperature"):
+    SamplingConfig(temperature=-0.5)
+  with pytest.raises(ValueError, match="max_new_tokens"):
+    decode.DecodeConfig(max_new_tokens=0)
+
+
+def reference_filter(logits, temperature, top_k, top_p):
+  """numpy top-k / top-p from their definitions: keep the k best, then the smallest nucleus."""
+  z = logits / temperature
+  order = np.argsort(-z, kind="stable")
+  keep = np.zeros(z.shape, bool)
+  keep[order[: top_k or len(z)]] = True
+  p = np.exp(z - z.max()) * keep
+  p /= p.sum()
+  mass = 0.0
+  nucleus = np.zeros(z.shape, bool)
+  for i in order:
+    if not keep[i] or mass >= top_p:
+      break
+    nucleus[i] = True
+    mass += p[i]
+  q = p * nucleus
+  return q / q.sum()
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (5, 1.0), (0, 0.7), (6, 0.8)])
+def test_sampling_distribution_matches_the_definition(top_k, top_p):
+  logits = jax.random.normal(jax.random.key(0), (12,)) * 2
+  cfg = SamplingConfig(temperature=0.8, top_k=top_k, top_p=top_p)
+  expected = reference_filter(np.asarray(logits, np.float64), 0.8, top_k, top_p)
+  ours = np.asarray(jax.nn.softmax(filtered_logits(logits[None], cfg)[0]))
+  np.testing.assert_allclose(ours, expected, atol=1e-6)
+  # And `select` draws from it: chi-square goodness of fit on 20k draws.
+  keys = jax.random.split(jax.random.key(1), 20000)
+  draws = jax.vmap(functools.partial(select, logits[None], cfg=cfg))(keys)[:, 0]
+  counts = np.bincount(np.asarray(draws), minlength=12)
+  support = expected > 0
+  assert counts[~support].sum() == 0
+  assert scipy.stats.chisquare(counts[support], 20000 * expected[support]).pvalue > 1e-3

@@ -1,0 +1,71 @@
+"""`python -m infer.generate` as a user runs it: JSON output, prompt files, and bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pspec_jax import data
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_cli(*flags, timeout=300):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  return subprocess.run(
+    [sys.executable, "-m", "infer.generate", *flags],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
+
+
+def test_json_output_for_a_prompt_file(tmp_path):
+  prompts = tmp_path / "prompts.jsonl"
+  prompts.write_text('{"prompt": "What is 2 + 2?"}\n\n{"prompt": "Name a colour."}\n')
+  result = run_cli(f"--prompts={prompts}", "--batch_size=2", "--max_new_tokens=12", "--json")
+  assert result.returncode == 0, result.stderr
+  records = [json.loads(line) for line in result.stdout.splitlines()]
+  assert [r["prompt"] for r in records] == ["What is 2 + 2?", "Name a colour."]
+  for r in records:
+    assert {"prompt", "text", "tokens", "num_tokens", "seconds"} <= set(r)
+    assert 1 <= r["num_tokens"] == len(r["tokens"]) <= 12 and r["text"].strip()
+  assert "4" in records[0]["text"]
+
+
+def test_mt_bench_questions_are_read_first_turn():
+  prompts = data.read_prompts(data.prompt_set_path("mt_bench"))
+  assert len(prompts) == 80
+  assert prompts[0].startswith("Compose an engaging travel blog post about a recent trip to Hawaii")
+
+
+@pytest.mark.parametrize(
+  "flags,message",
+  [
+    (["--prompt="], "error: empty prompt"),
+    (["--prompt=hi", "--temperature=-1"], "error: temperature must be >= 0"),
+    (["--prompt=hi", "--target=no-such-model"], "error: unknown target 'no-such-model'"),
+    (["--prompt=hi", "--target=./missing/checkpoint"], "error: target not found"),
+    (["--prompt=hi", "--target=missing.gguf"], "error: GGUF file not found"),
+    (["--prompt=hi", "--prompts=p.jsonl"], "error: give exactly one of --prompt and --prompts"),
+    (["--prompt=" + "hello " * 9000], "error: prompt width"),
+  ],
+)
+def test_bad_input_is_one_clear_line(flags, message):
+  result = run_cli(*flags)
+  assert result.returncode != 0
+  assert "Traceback" not in result.stderr
+  lines = [line for line in result.stderr.splitlines() if line.strip()]
+  assert lines == [lines[-1]] and lines[-1].startswith(message), result.stderr
+
+
+def test_corrupt_checkpoint_is_one_clear_line(tmp_path):
+  bad = tmp_path / "model.gguf"
+  bad.write_bytes(b"\0" * 100)
+  result = run_cli("--prompt=hi", f"--target={bad}")
+  assert result.returncode != 0 and "Traceback" not in result.stderr
+  assert result.stderr.strip().startswith("error: ")
