@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
-
 from llama_test import HF_CONFIGS, save_hf_llama
+
 from pspec_jax import checkpoints, data, decode
 
 PROMPTS = [
