@@ -52,7 +52,7 @@ def run() -> None:
   tokenizer = checkpoints.load_tokenizer(FLAGS.target)
   chat = FLAGS.chat if FLAGS.chat is not None else tokenizer.chat_template is not None
   encoded = [data.encode_prompt(tokenizer, p, chat) for p in prompts]
-  target = checkpoints.load_target(FLAGS.target)
+  target = checkpoints.load_target(FLAGS.target, scan_layers=False)
   cfg = decode.DecodeConfig(
     max_new_tokens=FLAGS.max_new_tokens,
     sampling=sampling,

