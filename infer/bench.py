@@ -158,7 +158,7 @@ def run(config) -> dict:
       runners[method] = HFDecoder(config.target, cfg, config.torch_threads)
 
   # Compile every prompt bucket and warm up every method before anything is timed.
-  for method, runner in runners.items():
+  for runner in runners.values():
     for ids in {len(data.pad_batch([ids])[0][0]): ids for ids in encoded}.values():
       runner(ids)
   records = {m: [] for m in methods}
