@@ -305,7 +305,6 @@ def _gguf_config(reader, name: str, **overrides) -> LlamaConfig:
     raise ValueError("GGUF file has no token_embd.weight tensor")
   num_heads = get("attention.head_count")
   hidden = get("embedding_length")
-  scaling = None
   if _gguf_field(reader, "llama.rope.scaling.type") not in (None, "none"):
     raise ValueError("unsupported GGUF RoPE scaling: only unscaled RoPE is read from GGUF")
   return LlamaConfig(
@@ -318,7 +317,6 @@ def _gguf_config(reader, name: str, **overrides) -> LlamaConfig:
     num_kv_heads=get("attention.head_count_kv", num_heads),
     head_dim=get("rope.dimension_count", hidden // num_heads),
     rope_theta=float(get("rope.freq_base", 10000.0)),
-    rope_scaling=scaling,
     rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
     tie_embeddings="output.weight" not in names,
     max_position_embeddings=get("context_length", 4096),

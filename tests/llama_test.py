@@ -197,12 +197,10 @@ def test_looped_layers_equal_scanned_layers(tiny_target, tmp_path):
   positions = jnp.broadcast_to(jnp.arange(7), (2, 7))
   cache = tiny_target.empty_cache(batch=2, max_len=10)
   cache = cache.write(tiny_target(tokens[:, :3], positions[:, :3])[1], jnp.array([3, 3]))
-  for model in (tiny_target, looped):
-    features, kv = model(tokens[:, 3:], positions[:, 3:], cache)
-    if model is tiny_target:
-      expected = (features, kv)
-  np.testing.assert_allclose(features, expected[0], atol=1e-5)
-  np.testing.assert_allclose(kv[0], expected[1][0], atol=1e-5)
+  expected, expected_kv = tiny_target(tokens[:, 3:], positions[:, 3:], cache)
+  features, kv = looped(tokens[:, 3:], positions[:, 3:], cache)
+  np.testing.assert_allclose(features, expected, atol=1e-5)
+  np.testing.assert_allclose(kv[0], expected_kv[0], atol=1e-5)
   assert looped.with_scan_layers(True).params["layers"]["attn"]["q"].shape == (2, 32, 4, 8)
   # The loader builds either layout directly.
   save_hf_llama(tmp_path, **HF_CONFIGS["gqa_untied"])
