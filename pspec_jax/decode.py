@@ -1,14 +1,20 @@
-"""Decoding: the whole generation inside one jitted `jax.lax.while_loop`.
+"""Decoding: speculative rounds inside one jitted `jax.lax.while_loop` (DESIGN.md section 3).
 
-State between rounds (DESIGN.md section 3): the target cache holds x_1..x_n; the *bonus* token
-x_{n+1}, chosen from p_n, is known but not yet in the cache. A round feeds the bonus, gets
-p_{n+1}, and chooses the next bonus. Plain auto-regressive decoding is the round whose token
-tree is the root alone; drafters add nodes below the root and share the rest of the round.
+State between rounds: the target cache holds x_1..x_n; the *bonus* token x_{n+1}, chosen from
+p_n, is known but not yet in the cache, and the drafter's proposals for the next round are
+ready. A round
 
-`generate` runs prefill plus rounds until every sequence is done, all on device. `stream`
-drives the same jitted round function from the host and yields each round's new tokens.
-Shapes are fixed by (batch, prompt width, max_new_tokens), so prompts padded to the same width
-reuse the compiled program.
+1. builds the token tree (static, or the most confident nodes of a dynamic pool),
+2. verifies it: one target pass over the M nodes at positions n+1+depth, tree mask + cache,
+3. accepts a path and a new bonus token (`accept.accept`), greedy or lossless sampling,
+4. commits the path's keys/values into contiguous cache slots and its tokens (cut at EOS and
+   at the token budget), and
+5. feeds the accepted pairs (f_t, x_{t+1}) to the drafter, which proposes the next tree.
+
+Plain auto-regressive decoding (`drafter=None`) is the round whose tree is the root alone.
+`generate` runs prefill plus rounds until every sequence is done, all on device; `stream`
+drives the same jitted round function from the host. Shapes are fixed by (batch, prompt width,
+max_new_tokens, tree), so prompts padded to the same width reuse the compiled program.
 """
 
 import dataclasses
@@ -19,6 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from pspec_jax import tree as tree_lib
+from pspec_jax.accept import accept
+from pspec_jax.drafter import Drafter, Pairs, propose
 from pspec_jax.kv_cache import KVCache
 from pspec_jax.llama import Target
 from pspec_jax.sampling import SamplingConfig, select
@@ -32,8 +41,10 @@ class DecodeConfig:
     max_new_tokens: generation budget per sequence, EOS included.
     sampling: greedy (default) or temperature / top-k / top-p sampling.
     eos_ids: token ids that end a sequence (it is kept in the output).
-    max_len: cache slots per sequence; 0 means prompt width + max_new_tokens.
+    max_len: cache slots per sequence; 0 means prompt width + max_new_tokens + tree depth.
     pad_id: fills `DecodeOutput.tokens` past each sequence's length.
+    num_draft: K, draft tokens per round; 0 means the drafter's own.
+    tree: tree preset (`tree.parse`: chain, sparseN, dynamic:N); "" means the drafter's own.
   """
 
   max_new_tokens: int = 128
@@ -41,13 +52,24 @@ class DecodeConfig:
   eos_ids: tuple[int, ...] = ()
   max_len: int = 0
   pad_id: int = 0
+  num_draft: int = 0
+  tree: str = ""
 
   def __post_init__(self):
     if self.max_new_tokens < 1:
       raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
     if self.max_len < 0:
       raise ValueError(f"max_len must be >= 0 (0: derived), got {self.max_len}")
+    if self.num_draft < 0:
+      raise ValueError(f"num_draft must be >= 0 (0: the drafter's own), got {self.num_draft}")
     object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
+
+
+def pool_tree(cfg: DecodeConfig, drafter: Drafter | None) -> tree_lib.Tree:
+  """The tree (or dynamic pool) drafted each round; the root alone without a drafter."""
+  if drafter is None:
+    return tree_lib.ROOT_ONLY
+  return tree_lib.parse(cfg.tree or drafter.cfg.tree, cfg.num_draft or drafter.cfg.num_draft)
 
 
 @struct.dataclass
@@ -56,9 +78,13 @@ class DecodeState:
   tokens: jax.Array  # [B, W] prompt then generated tokens; the bonus is tokens[b, n]
   prompt_lengths: jax.Array  # [B]
   done: jax.Array  # [B] bool
-  rounds: jax.Array  # [B] target forward passes (prefill included) while active
+  rounds: jax.Array  # [B] verification rounds (target passes after prefill) while active
+  accepted: jax.Array  # [B, P] rounds whose accepted path reached depth d + 1
   key: jax.Array  # PRNG key, folded with the round number
   step: jax.Array  # scalar: rounds run so far
+  drafter_cache: KVCache | None  # the drafter's cache over real pairs, if it has one
+  node_tokens: jax.Array  # [B, M] next round's drafted pool nodes (node 0 becomes the bonus)
+  node_logp: jax.Array  # [B, M] their draft log-probabilities given their parents
 
   @property
   def num_tokens(self) -> jax.Array:
@@ -74,12 +100,24 @@ class DecodeState:
 class DecodeOutput:
   tokens: jax.Array  # [B, max_new_tokens] generated ids, pad_id past `lengths`
   lengths: jax.Array  # [B] generated tokens, EOS included
-  rounds: jax.Array  # [B] target forward passes, prefill included
+  rounds: jax.Array  # [B] verification rounds (the prefill, which gives token 1, excluded)
+  accepted_per_depth: jax.Array  # [B, P] rounds that accepted a draft token at depth d + 1
 
   @property
   def tau(self) -> jax.Array:
-    """[B] mean tokens per target forward pass (1 for plain decoding)."""
-    return self.lengths / jnp.maximum(self.rounds, 1)
+    """[B] mean tokens per verification round: accepted drafts + 1 (1 for plain decoding)."""
+    return (self.lengths - 1) / jnp.maximum(self.rounds, 1)
+
+
+@struct.dataclass
+class Verified:
+  """One round's verified tree: its arrays, tokens, and the target's outputs at every node."""
+
+  tree: tree_lib.TreeArrays  # [B, ...]
+  node_tokens: jax.Array  # [B, M]
+  features: jax.Array  # [B, M, D]
+  kv: tuple[jax.Array, jax.Array]  # [L, B, M, K, H] each
+  logits: jax.Array  # [B, M, V] float32
 
 
 def _is_eos(tokens: jax.Array, cfg: DecodeConfig) -> jax.Array:
@@ -88,57 +126,144 @@ def _is_eos(tokens: jax.Array, cfg: DecodeConfig) -> jax.Array:
   return jnp.isin(tokens, jnp.asarray(cfg.eos_ids, jnp.int32))
 
 
+def _take_nodes(x_BM, index_BP):
+  """x[b, index[b, p]] along the node axis (axis 1), any trailing dims."""
+  index = index_BP.reshape(index_BP.shape + (1,) * (x_BM.ndim - 2))
+  return jnp.take_along_axis(x_BM, index, axis=1)
+
+
 def init(
   target: Target,
   prompt_tokens: jax.Array,
   prompt_lengths: jax.Array,
   key: jax.Array,
   cfg: DecodeConfig,
+  drafter: Drafter | None = None,
 ) -> DecodeState:
-  """Prefills the cache with the prompts and chooses the first bonus token."""
+  """Prefills the cache, chooses the first bonus token and drafts the first tree."""
+  pool = pool_tree(cfg, drafter)
   batch, width = prompt_tokens.shape
   total = width + cfg.max_new_tokens
+  max_len = cfg.max_len or total + pool.depth
   prompt_lengths = prompt_lengths.astype(jnp.int32)
   positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
   features, kv = target(prompt_tokens, positions)
   # p_n sits at each sequence's last real token; pads after it are never read.
   last = jnp.take_along_axis(features, (prompt_lengths - 1)[:, None, None], axis=1)
   first = select(target.logits(last)[:, 0], jax.random.fold_in(key, 0), cfg.sampling)
-  cache = target.empty_cache(batch, cfg.max_len or total).write(kv, prompt_lengths)
+  cache = target.empty_cache(batch, max_len).write(kv, prompt_lengths)
   is_prompt = jnp.arange(width)[None, :] < prompt_lengths[:, None]
   tokens = jnp.zeros((batch, total), jnp.int32)
   tokens = tokens.at[:, :width].set(jnp.where(is_prompt, prompt_tokens, 0))
   tokens = tokens.at[jnp.arange(batch), prompt_lengths].set(first)
-  return DecodeState(
+  state = DecodeState(
     cache=cache,
     tokens=tokens,
     prompt_lengths=prompt_lengths,
     done=_is_eos(first, cfg) | (cfg.max_new_tokens <= 1),
-    rounds=jnp.ones((batch,), jnp.int32),
+    rounds=jnp.zeros((batch,), jnp.int32),
+    accepted=jnp.zeros((batch, pool.depth), jnp.int32),
     key=key,
     step=jnp.zeros((), jnp.int32),
+    drafter_cache=None if drafter is None else drafter.empty_cache(batch, max_len),
+    node_tokens=jnp.zeros((batch, 1), jnp.int32),
+    node_logp=jnp.zeros((batch, 1), jnp.float32),
+  )
+  # Prompt pair t is (f_t, x_{t+1}); the last one carries the first bonus token.
+  pairs = Pairs(tokens=tokens[:, 1 : width + 1], features=features, count=prompt_lengths)
+  return draft(target, drafter, state, pairs, cfg)
+
+
+def verify(target: Target, state: DecodeState, cfg: DecodeConfig, drafter=None) -> Verified:
+  """Steps 1-2: builds this round's tree and runs the target over its nodes."""
+  pool = pool_tree(cfg, drafter)
+  batch = state.tokens.shape[0]
+  n = state.cache.lengths
+  bonus = state.tokens[jnp.arange(batch), n]
+  node_tokens = state.node_tokens.at[:, 0].set(bonus)
+  if pool.budget:
+    kept, tree = tree_lib.select_dynamic(pool, state.node_logp)
+    node_tokens = jnp.take_along_axis(node_tokens, kept, axis=1)
+  else:
+    tree = tree_lib.batched(pool, batch)
+  positions = n[:, None] + tree.depth
+  features, kv = target(node_tokens, positions, state.cache, tree.ancestors)
+  return Verified(
+    tree=tree, node_tokens=node_tokens, features=features, kv=kv, logits=target.logits(features)
   )
 
 
-def round_step(target: Target, state: DecodeState, cfg: DecodeConfig) -> DecodeState:
-  """One round: the target consumes the bonus token and the next one is chosen.
+def commit(
+  state: DecodeState, verified: Verified, cfg: DecodeConfig, drafter=None
+) -> tuple[DecodeState, Pairs]:
+  """Steps 3-4: accepts a path, writes its tokens and keys/values; returns the new pairs.
 
-  Finished sequences idle: their cache length, tokens and counters stay as they are.
+  A sequence keeps the accepted drafts and the bonus, cut after its first EOS and at its token
+  budget; finished sequences idle (nothing written, counters unchanged).
   """
+  depth = pool_tree(cfg, drafter).depth
   batch, total = state.tokens.shape
   rows = jnp.arange(batch)
   active = ~state.done
   n = state.cache.lengths
-  bonus = state.tokens[rows, n]
-  features, kv = target(bonus[:, None], n[:, None], state.cache)
   step = state.step + 1
-  chosen = select(target.logits(features)[:, 0], jax.random.fold_in(state.key, step), cfg.sampling)
-  cache = state.cache.write(kv, active)
-  # Inactive rows write to index `total`, which mode="drop" discards.
-  tokens = state.tokens.at[rows, jnp.where(active, n + 1, total)].set(chosen, mode="drop")
-  state = state.replace(cache=cache, tokens=tokens, step=step, rounds=state.rounds + active)
-  finished = _is_eos(chosen, cfg) | (state.num_generated >= cfg.max_new_tokens)
-  return state.replace(done=state.done | (active & finished))
+  path, num_accepted, bonus = accept(
+    verified.logits,
+    verified.node_tokens,
+    verified.tree,
+    depth,
+    jax.random.fold_in(state.key, step),
+    cfg.sampling,
+  )
+  # New tokens x_{n+2}..: the accepted drafts below the root, then the bonus.
+  drafts = _take_nodes(verified.node_tokens, path)[:, 1:]
+  new = jnp.concatenate([drafts, jnp.zeros((batch, 1), jnp.int32)], axis=1)
+  new = new.at[rows, num_accepted].set(bonus)
+  index = jnp.arange(depth + 1)[None, :]
+  offered = num_accepted + 1
+  eos = _is_eos(new, cfg) & (index < offered[:, None])
+  first_eos = jnp.min(jnp.where(eos, index, depth + 1), axis=1)
+  budget = cfg.max_new_tokens - state.num_generated
+  kept = jnp.where(active, jnp.minimum(jnp.minimum(offered, first_eos + 1), budget), 0)
+  # The root and the kept drafts but the last enter the cache; the last kept token is the bonus.
+  kv_path = tuple(jnp.take_along_axis(x, path[None, :, :, None, None], axis=2) for x in verified.kv)
+  cache = state.cache.write(kv_path, kept)
+  # Rows past `kept` write to index `total`, which mode="drop" discards.
+  where = jnp.where(index < kept[:, None], n[:, None] + 1 + index, total)
+  tokens = state.tokens.at[rows[:, None], where].set(new, mode="drop")
+  finished = jnp.any(eos & (index < kept[:, None]), axis=1) | (kept >= budget)
+  state = state.replace(
+    cache=cache,
+    tokens=tokens,
+    step=step,
+    rounds=state.rounds + active,
+    accepted=state.accepted + (jnp.arange(depth)[None, :] < kept[:, None] - 1),
+    done=state.done | (active & finished),
+  )
+  pairs = Pairs(tokens=new, features=_take_nodes(verified.features, path), count=kept)
+  return state, pairs
+
+
+def draft(
+  target: Target, drafter: Drafter | None, state: DecodeState, pairs: Pairs, cfg: DecodeConfig
+) -> DecodeState:
+  """Step 5: the drafter consumes the new pairs and drafts the next round's tree pool."""
+  if drafter is None:
+    return state
+  context = (state.tokens, state.num_tokens)
+  pool = pool_tree(cfg, drafter)
+  drafter_cache, (node_tokens, node_logp) = propose(
+    drafter, target, state.drafter_cache, pairs, context, pool
+  )
+  return state.replace(drafter_cache=drafter_cache, node_tokens=node_tokens, node_logp=node_logp)
+
+
+def round_step(
+  target: Target, state: DecodeState, cfg: DecodeConfig, drafter: Drafter | None = None
+) -> DecodeState:
+  """One round: verify the drafted tree, accept and commit, draft the next tree."""
+  state, pairs = commit(state, verify(target, state, cfg, drafter), cfg, drafter)
+  return draft(target, drafter, state, pairs, cfg)
 
 
 def finish(state: DecodeState, cfg: DecodeConfig) -> DecodeOutput:
@@ -148,14 +273,17 @@ def finish(state: DecodeState, cfg: DecodeConfig) -> DecodeOutput:
   tokens = jnp.take_along_axis(state.tokens, index, axis=1, mode="clip")
   valid = jnp.arange(cfg.max_new_tokens)[None, :] < lengths[:, None]
   return DecodeOutput(
-    tokens=jnp.where(valid, tokens, cfg.pad_id), lengths=lengths, rounds=state.rounds
+    tokens=jnp.where(valid, tokens, cfg.pad_id),
+    lengths=lengths,
+    rounds=state.rounds,
+    accepted_per_depth=state.accepted,
   )
 
 
-def _generate(target, prompt_tokens, prompt_lengths, key, cfg):
-  state = init(target, prompt_tokens, prompt_lengths, key, cfg)
+def _generate(target, drafter, prompt_tokens, prompt_lengths, key, cfg):
+  state = init(target, prompt_tokens, prompt_lengths, key, cfg, drafter)
   state = jax.lax.while_loop(
-    lambda s: ~jnp.all(s.done), lambda s: round_step(target, s, cfg), state
+    lambda s: ~jnp.all(s.done), lambda s: round_step(target, s, cfg, drafter), state
   )
   return finish(state, cfg)
 
@@ -165,7 +293,9 @@ _init_jit = jax.jit(init, static_argnames="cfg")
 _round_jit = jax.jit(round_step, static_argnames="cfg", donate_argnames="state")
 
 
-def check_inputs(target: Target, prompt_tokens, prompt_lengths, cfg: DecodeConfig) -> None:
+def check_inputs(
+  target: Target, prompt_tokens, prompt_lengths, cfg: DecodeConfig, drafter: Drafter | None = None
+) -> None:
   """Raises one clear ValueError for inputs the jitted loop cannot handle.
 
   Shapes are always checked; lengths only when they are concrete (not inside a user's jit).
@@ -175,18 +305,23 @@ def check_inputs(target: Target, prompt_tokens, prompt_lengths, cfg: DecodeConfi
       f"prompt_tokens must be [batch, width] and prompt_lengths [batch], got "
       f"{prompt_tokens.shape} and {prompt_lengths.shape}"
     )
+  if drafter is not None:
+    check_drafter(target, drafter, cfg)
+  depth = pool_tree(cfg, drafter).depth
   width = prompt_tokens.shape[1]
-  needed = width + cfg.max_new_tokens
+  needed = width + cfg.max_new_tokens + depth
   if cfg.max_len and needed > cfg.max_len:
     raise ValueError(
-      f"prompt width {width} + max_new_tokens {cfg.max_new_tokens} = {needed} does not fit "
-      f"the cache of {cfg.max_len} slots: shorten the prompt or raise max_len"
+      f"prompt width {width} + max_new_tokens {cfg.max_new_tokens} + tree depth {depth} = "
+      f"{needed} does not fit the cache of {cfg.max_len} slots: shorten the prompt, lower K or "
+      "raise max_len"
     )
   context = target.cfg.max_position_embeddings
   if needed > context:
     raise ValueError(
-      f"prompt width {width} + max_new_tokens {cfg.max_new_tokens} = {needed} exceeds the "
-      f"target's context of {context} tokens: shorten the prompt or lower max_new_tokens"
+      f"prompt width {width} + max_new_tokens {cfg.max_new_tokens} + tree depth {depth} = "
+      f"{needed} exceeds the target's context of {context} tokens: shorten the prompt or "
+      "lower max_new_tokens"
     )
   try:
     lengths = np.asarray(prompt_lengths)
@@ -198,30 +333,50 @@ def check_inputs(target: Target, prompt_tokens, prompt_lengths, cfg: DecodeConfi
     raise ValueError(f"prompt_lengths exceed the prompt width {width}: {lengths.tolist()}")
 
 
+def check_drafter(target: Target, drafter: Drafter, cfg: DecodeConfig) -> None:
+  """The drafter must fit the target, and K the drafter."""
+  d, t = drafter.cfg, target.cfg
+  if (d.vocab_size, d.hidden_size) != (t.vocab_size, t.hidden_size):
+    raise ValueError(
+      f"the drafter was built for target {d.target_name!r} (vocab {d.vocab_size}, width "
+      f"{d.hidden_size}), not for {t.name!r} (vocab {t.vocab_size}, width {t.hidden_size})"
+    )
+  depth = pool_tree(cfg, drafter).depth
+  if d.kind in ("pspec", "medusa") and depth > d.num_draft:
+    raise ValueError(
+      f"the {d.kind} drafter proposes at most K={d.num_draft} tokens, the tree needs {depth}: "
+      f"lower num_draft or the tree depth"
+    )
+
+
 def generate(
   target: Target,
   prompt_tokens: jax.Array,
   prompt_lengths: jax.Array,
   key: jax.Array,
   cfg: DecodeConfig = DecodeConfig(),
+  drafter: Drafter | None = None,
 ) -> DecodeOutput:
   """Generates up to `cfg.max_new_tokens` tokens per prompt, entirely on device.
 
-  Pure and jittable: it may be called inside a user's own `jax.jit` (target params and token
-  arrays traced, `cfg` static).
+  Speculative with a drafter, plain auto-regressive without; the output is the target's either
+  way (token for token when greedy, in distribution when sampling). Pure and jittable: it may
+  be called inside a user's own `jax.jit` (params and token arrays traced, `cfg` static).
 
   Args:
     target: the target model and its parameters.
     prompt_tokens: [B, T] int token ids, right-padded.
     prompt_lengths: [B] real tokens per prompt (>= 1).
     key: PRNG key; unused when greedy.
-    cfg: decoding settings.
+    cfg: decoding settings (tree and K included).
+    drafter: a drafter built for this target, or None for plain decoding.
 
   Returns:
     DecodeOutput with the generated tokens, their count and per-sequence stats.
   """
-  check_inputs(target, prompt_tokens, prompt_lengths, cfg)
-  return _generate_jit(target, jnp.asarray(prompt_tokens), jnp.asarray(prompt_lengths), key, cfg)
+  check_inputs(target, prompt_tokens, prompt_lengths, cfg, drafter)
+  tokens, lengths = jnp.asarray(prompt_tokens), jnp.asarray(prompt_lengths)
+  return _generate_jit(target, drafter, tokens, lengths, key, cfg)
 
 
 def stream(
@@ -230,14 +385,16 @@ def stream(
   prompt_lengths: jax.Array,
   key: jax.Array,
   cfg: DecodeConfig = DecodeConfig(),
+  drafter: Drafter | None = None,
 ) -> Iterator[list[np.ndarray]]:
   """Like `generate`, one round at a time: yields each sequence's new tokens per round.
 
   Every yield is a list of B int arrays (empty for sequences that are done). Concatenated, they
   are exactly `generate`'s tokens for the same inputs.
   """
-  check_inputs(target, prompt_tokens, prompt_lengths, cfg)
-  state = _init_jit(target, jnp.asarray(prompt_tokens), jnp.asarray(prompt_lengths), key, cfg)
+  check_inputs(target, prompt_tokens, prompt_lengths, cfg, drafter)
+  tokens, lengths = jnp.asarray(prompt_tokens), jnp.asarray(prompt_lengths)
+  state = _init_jit(target, tokens, lengths, key, cfg, drafter)
   seen = np.asarray(prompt_lengths)
   while True:
     tokens, known, done = jax.device_get((state.tokens, state.num_tokens, state.done))
@@ -245,4 +402,4 @@ def stream(
     seen = known
     if done.all():
       return
-    state = _round_jit(target, state, cfg)
+    state = _round_jit(target, state, cfg, drafter)

@@ -359,6 +359,10 @@ class Target:
   def logits(self, features_BTD: jax.Array) -> jax.Array:
     return Llama(self.cfg).apply({"params": self.params}, features_BTD, method=Llama.logits)
 
+  def embed(self, tokens_BT: jax.Array) -> jax.Array:
+    """Token embeddings [B, T, D] (shared with drafters)."""
+    return jnp.take(self.params["embedding"], tokens_BT, axis=0).astype(self.cfg.dtype)
+
   def empty_cache(self, batch: int, max_len: int) -> KVCache:
     cfg = self.cfg
     return KVCache.zeros(

@@ -64,7 +64,7 @@ def test_greedy_matches_cache_free_reference_on_a_ragged_batch(target):
   for row, prompt in enumerate(PROMPTS):
     assert out.tokens[row].tolist() == reference_greedy(target, prompt, 12)
   assert out.lengths.tolist() == [12] * 3
-  assert out.rounds.tolist() == [12] * 3  # one target pass per token, prefill included
+  assert out.rounds.tolist() == [11] * 3  # one round per token after the prefill's
   np.testing.assert_allclose(out.tau, 1.0)
 
 

@@ -1,0 +1,100 @@
+"""Acceptance of a verified token tree (DESIGN.md section 3, step 5).
+
+One walk serves greedy decoding and sampling. Starting at the root, the children of the current
+node are tried in rank order:
+
+- sampling (T > 0), lossless multi-child rejection sampling for deterministic children: with
+  r the target's (filtered) distribution at the current node, child x is accepted with
+  probability r(x) / sum(r); on rejection r(x) is set to 0 (the residual renormalises itself
+  through the sum). If every child is rejected the walk stops and the bonus token is sampled
+  from what is left of r. The emitted tokens therefore follow the target's distribution
+  exactly, whatever the drafter proposed: each step is sampling without replacement until a
+  sample lands on a proposed child.
+- greedy (T = 0): r is the one-hot of the target's argmax, so a child is accepted iff it is
+  the argmax, and the bonus is the argmax at the last accepted node: the same tokens as plain
+  greedy decoding.
+
+The last accepted node's residual gives the bonus token; tau = accepted + 1.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from pspec_jax.sampling import SamplingConfig, filtered_logits
+from pspec_jax.tree import TreeArrays
+
+
+def target_probs(logits_BMV: jax.Array, cfg: SamplingConfig) -> jax.Array:
+  """The target's distribution at every node: one-hot argmax when greedy, else filtered."""
+  if cfg.greedy:
+    return jax.nn.one_hot(jnp.argmax(logits_BMV, axis=-1), logits_BMV.shape[-1])
+  return jax.nn.softmax(filtered_logits(logits_BMV, cfg), axis=-1)
+
+
+def accept(
+  logits_BMV: jax.Array,
+  node_tokens_BM: jax.Array,
+  tree: TreeArrays,
+  max_depth: int,
+  key: jax.Array,
+  cfg: SamplingConfig,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Walks every sequence's tree from the root.
+
+  Args:
+    logits_BMV: target logits at every node (float32).
+    node_tokens_BM: every node's token; node 0 is the root.
+    tree: the verified tree, with a batch axis.
+    max_depth: static bound on the tree depth (P).
+    key: PRNG key for this round; unused when greedy.
+    cfg: sampling settings, the same as plain decoding's.
+
+  Returns:
+    (path_BP1, num_accepted_B, bonus_B): node indices from the root down the accepted path
+    (entries past `num_accepted + 1` repeat the last accepted node), the accepted draft tokens
+    per sequence, and the next bonus token.
+  """
+  batch = logits_BMV.shape[0]
+  num_slots = tree.children.shape[-1]
+  probs_BMV = target_probs(logits_BMV, cfg)
+  walk_key, bonus_key = jax.random.split(key)
+  if cfg.greedy:
+    # With one-hot r, any threshold in (0, 1) accepts exactly the argmax.
+    uniform_BPC = jnp.full((batch, max_depth, num_slots), 0.5, jnp.float32)
+  else:
+    uniform_BPC = jax.random.uniform(walk_key, (batch, max_depth, num_slots))
+
+  def walk(probs_MV, tokens_M, children_MC, uniform_PC):
+    def step(i, carry):
+      node, residual, walking, moved, path = carry
+      depth, slot = i // num_slots, i % num_slots
+      child = children_MC[node, slot]
+      tried = walking & ~moved & (child >= 0)
+      token = tokens_M[jnp.maximum(child, 0)]
+      mass = residual[token]
+      accepted = tried & (uniform_PC[depth, slot] * residual.sum() < mass)
+      rejected = tried & ~accepted
+      residual = residual.at[token].set(jnp.where(rejected, 0.0, mass))
+      residual = jnp.where(accepted, probs_MV[jnp.maximum(child, 0)], residual)
+      node = jnp.where(accepted, child, node)
+      path = path.at[depth + 1].set(node)
+      moved = moved | accepted
+      last_slot = slot == num_slots - 1
+      walking = jnp.where(last_slot, walking & moved, walking)
+      moved = jnp.where(last_slot, False, moved)
+      return node, residual, walking, moved, path
+
+    path = jnp.zeros((max_depth + 1,), jnp.int32)
+    if max_depth == 0:  # the root alone: plain decoding
+      return path, probs_MV[0]
+    carry = (jnp.int32(0), probs_MV[0], jnp.bool_(True), jnp.bool_(False), path)
+    _, residual, _, _, path = jax.lax.fori_loop(0, max_depth * num_slots, step, carry)
+    return path, residual
+
+  path_BP1, residual_BV = jax.vmap(walk)(probs_BMV, node_tokens_BM, tree.children, uniform_BPC)
+  num_accepted = jnp.take_along_axis(tree.depth, path_BP1[:, -1:], axis=1)[:, 0]
+  if cfg.greedy:
+    bonus = jnp.argmax(residual_BV, axis=-1)
+  else:
+    bonus = jax.random.categorical(bonus_key, jnp.log(residual_BV), axis=-1)
+  return path_BP1, num_accepted.astype(jnp.int32), bonus.astype(jnp.int32)

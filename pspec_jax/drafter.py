@@ -1,0 +1,413 @@
+"""Drafters: what proposes the token tree each round (DESIGN.md sections 2 and 3).
+
+Every kind reads the target through its features f_t and shares the target's embedding and LM
+head (passed in at apply time, never part of the drafter's parameters):
+
+- `pspec`: pair t is u_t = Fuse([embed(x_{t+1}); f_t]) at position t; one decoder layer (the
+  target's block, its own width settings) and a norm give g_t, whose logits W·g_t predict
+  x_{t+2}. K-1 learned mask vectors m_d are appended after the last real pair a, at positions
+  a + d; slot (a, d) sees the real pairs up to a and the slots (a, d' <= d), and predicts
+  x_{a+d+2}. One pass proposes x_{a+2} .. x_{a+K+1}.
+- `eagle`: the same layer run auto-regressively (EAGLE-1): g_t also stands in for f_{t+1}, so a
+  tree node's pair is (g of its parent, its token); the tree is drafted level by level.
+- `medusa`: K residual heads on the last feature; head d predicts x_{t+d+1} from f_t.
+- `pld`: prompt lookup, no parameters: the continuation of the longest most recent n-gram
+  match of the sequence's suffix.
+
+Each round `propose` consumes the pairs accepted since the last round (the last one holds the
+bonus token) and returns a token and a draft log-probability for every node of the tree pool.
+`pspec` and `eagle` keep a one-layer KV cache over real pairs; mask slots and tree nodes never
+enter it.
+"""
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from pspec_jax import tree as tree_lib
+from pspec_jax.kv_cache import KVCache
+from pspec_jax.llama import Block, LlamaConfig, RMSNorm, RopeScaling, Target, _param
+
+KINDS = ("pspec", "eagle", "medusa", "pld")
+Dtype = Any
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DrafterConfig:
+  """A drafter's kind, draft length, decoder-layer widths and the target it was built for.
+
+  Attributes:
+    kind: one of KINDS.
+    num_draft: K, the draft tokens per round it was built for (pspec: K-1 mask vectors;
+      medusa: K heads). Decoding may use fewer.
+    tree: the tree preset it is meant to decode with (`tree.parse`).
+    target_name, vocab_size, hidden_size: identity of the target (checked at load time).
+    num_heads, num_kv_heads, head_dim, intermediate_size: the drafter layer's widths.
+    rope_theta, rope_scaling, rms_norm_eps: as the target's.
+    max_ngram: pld's longest n-gram.
+  """
+
+  kind: str
+  num_draft: int = 4
+  tree: str = "chain"
+  target_name: str
+  vocab_size: int
+  hidden_size: int
+  num_heads: int = 1
+  num_kv_heads: int = 1
+  head_dim: int = 0
+  intermediate_size: int = 1
+  rope_theta: float = 10000.0
+  rope_scaling: RopeScaling | None = None
+  rms_norm_eps: float = 1e-5
+  max_ngram: int = 3
+  dtype: Dtype = jnp.float32
+  param_dtype: Dtype = jnp.float32
+
+  def __post_init__(self):
+    if self.kind not in KINDS:
+      raise ValueError(f"unknown drafter kind {self.kind!r}: use one of {', '.join(KINDS)}")
+    if self.num_draft < 1:
+      raise ValueError(f"DrafterConfig.num_draft (K) must be >= 1, got {self.num_draft}")
+    if self.max_ngram < 1:
+      raise ValueError(f"DrafterConfig.max_ngram must be >= 1, got {self.max_ngram}")
+    tree_lib.parse(self.tree, self.num_draft)  # fails early on an unknown preset
+
+  @classmethod
+  def for_target(cls, kind: str, target: LlamaConfig, **overrides) -> "DrafterConfig":
+    """A drafter whose layer has the target's block widths."""
+    settings = dict(
+      kind=kind,
+      target_name=target.name,
+      vocab_size=target.vocab_size,
+      hidden_size=target.hidden_size,
+      num_heads=target.num_heads,
+      num_kv_heads=target.num_kv_heads,
+      head_dim=target.head_dim,
+      intermediate_size=target.intermediate_size,
+      rope_theta=target.rope_theta,
+      rope_scaling=target.rope_scaling,
+      rms_norm_eps=target.rms_norm_eps,
+      dtype=target.dtype,
+      param_dtype=target.param_dtype,
+    )
+    return cls(**(settings | overrides))
+
+  @property
+  def layer(self) -> LlamaConfig:
+    """The decoder layer's config (the target's block type)."""
+    return LlamaConfig(
+      name=f"{self.kind}-drafter",
+      vocab_size=self.vocab_size,
+      hidden_size=self.hidden_size,
+      intermediate_size=self.intermediate_size,
+      num_layers=1,
+      num_heads=self.num_heads,
+      num_kv_heads=self.num_kv_heads,
+      head_dim=self.head_dim,
+      rope_theta=self.rope_theta,
+      rope_scaling=self.rope_scaling,
+      rms_norm_eps=self.rms_norm_eps,
+      scan_layers=False,
+      dtype=self.dtype,
+      param_dtype=self.param_dtype,
+    )
+
+  def replace(self, **changes) -> "DrafterConfig":
+    return dataclasses.replace(self, **changes)
+
+
+class FeatureDrafter(nn.Module):
+  """`pspec` and `eagle`: Fuse([embed(x_{t+1}); f_t]) -> one decoder layer -> norm."""
+
+  cfg: DrafterConfig
+
+  def setup(self):
+    cfg, d = self.cfg, self.cfg.hidden_size
+    init = nn.initializers.normal(0.02)
+    self.fuse = _param(self, "fuse", init, (2 * d, d), ("fused", "embed"), cfg.param_dtype)
+    self.block = Block(cfg.layer)
+    self.norm = RMSNorm(cfg.layer)
+    if cfg.kind == "pspec":
+      slots = (max(cfg.num_draft - 1, 1), d)
+      self.mask_slots = _param(self, "mask_slots", init, slots, ("draft", "embed"), cfg.param_dtype)
+
+  def pairs(self, embeds_BTD, features_BTD):
+    """u_t = Fuse([embed(x_{t+1}); f_t])."""
+    dt = self.cfg.dtype
+    x = jnp.concatenate([embeds_BTD.astype(dt), features_BTD.astype(dt)], axis=-1)
+    return x @ self.fuse.astype(dt)
+
+  def slots(self):
+    """The learned mask vectors m_1..m_{K-1}."""
+    return self.mask_slots.astype(self.cfg.dtype)
+
+  def __call__(self, x_BTD, positions_BT, mask_BTT, cache: KVCache):
+    """g_BTD (normed: the LM-head input) and the new keys/values [1, B, T, K, H]."""
+    layer_kv = (cache.k[0], cache.v[0])
+    mask_BTT = jnp.broadcast_to(mask_BTT, (x_BTD.shape[0], *mask_BTT.shape[-2:]))
+    x_BTD, (k, v) = self.block(x_BTD, layer_kv, positions_BT, mask_BTT, cache.lengths)
+    return self.norm(x_BTD), (k[None], v[None])
+
+  def init_all(self, features_BTD):
+    """Touches every parameter (for `init`)."""
+    u = self.pairs(features_BTD, features_BTD)
+    if self.cfg.kind == "pspec":
+      u = u + self.slots()[0]
+    positions = jnp.zeros(u.shape[:2], jnp.int32)
+    mask = jnp.ones((1, u.shape[1], u.shape[1]), jnp.bool_)
+    return self.norm(self.block(u, None, positions, mask, None)[0])
+
+
+class MedusaHeads(nn.Module):
+  """`medusa`: head d maps f_t to f_t + SiLU(W_d f_t + b_d), read by the target's LM head."""
+
+  cfg: DrafterConfig
+
+  @nn.compact
+  def __call__(self, features_BD):
+    cfg, d, k = self.cfg, self.cfg.hidden_size, self.cfg.num_draft
+    init = nn.initializers.normal(0.02)
+    w = _param(self, "w", init, (k, d, d), ("draft", "embed", "mlp"), cfg.param_dtype)
+    b = _param(self, "b", nn.initializers.zeros, (k, d), ("draft", "mlp"), cfg.param_dtype)
+    f = features_BD.astype(cfg.dtype)
+    h = jnp.einsum("BD,PDE->BPE", f, w.astype(cfg.dtype)) + b.astype(cfg.dtype)
+    return f[:, None, :] + nn.silu(h)
+
+
+def module(cfg: DrafterConfig) -> nn.Module:
+  return MedusaHeads(cfg) if cfg.kind == "medusa" else FeatureDrafter(cfg)
+
+
+def init_params(cfg: DrafterConfig, key: jax.Array) -> dict:
+  """Random parameters (an untrained drafter); `pld` has none."""
+  if cfg.kind == "pld":
+    return {}
+  features = jnp.zeros((1, 1, cfg.hidden_size), cfg.dtype)
+  if cfg.kind == "medusa":
+    variables = MedusaHeads(cfg).init(key, features[:, 0])
+  else:
+    variables = FeatureDrafter(cfg).init(key, features, method=FeatureDrafter.init_all)
+  return nn.meta.unbox(variables)["params"]
+
+
+@struct.dataclass
+class Drafter:
+  """A drafter: its (static) config and its parameters, passable through `jax.jit`."""
+
+  cfg: DrafterConfig = struct.field(pytree_node=False)
+  params: Any
+
+  def apply(self, *args, method=None):
+    return module(self.cfg).apply({"params": self.params}, *args, method=method)
+
+  def empty_cache(self, batch: int, max_len: int) -> KVCache | None:
+    """The drafter's own cache over real pairs (None for kinds without one)."""
+    if self.cfg.kind not in ("pspec", "eagle"):
+      return None
+    layer = self.cfg.layer
+    return KVCache.zeros(
+      num_layers=1,
+      batch=batch,
+      max_len=max_len,
+      num_kv_heads=layer.num_kv_heads,
+      head_dim=layer.head_dim,
+      dtype=layer.dtype,
+    )
+
+
+def random_drafter(kind: str, target: Target, key: jax.Array, **overrides) -> Drafter:
+  """An untrained drafter of `kind` for `target` (seeded by `key`)."""
+  cfg = DrafterConfig.for_target(kind, target.cfg, **overrides)
+  return Drafter(cfg=cfg, params=init_params(cfg, key))
+
+
+@struct.dataclass
+class Pairs:
+  """Drafter pairs accepted since the last round: pair i is (f_t, x_{t+1}), t = start + i."""
+
+  tokens: jax.Array  # [B, R] x_{t+1}
+  features: jax.Array  # [B, R, D] f_t
+  count: jax.Array  # [B] valid pairs (the last one holds the bonus token)
+
+  def last(self, x_BR):
+    """The entry of the last valid pair, per sequence."""
+    index = jnp.maximum(self.count - 1, 0)[:, None]
+    return jnp.take_along_axis(x_BR, index.reshape(index.shape + (1,) * (x_BR.ndim - 2)), axis=1)
+
+
+def pspec_mask(count_B: jax.Array, num_real: int, num_slots: int) -> jax.Array:
+  """[B, T, T] attention of `num_real` pairs followed by `num_slots` mask slots.
+
+  Real pairs are causal among themselves and never see slots; slot d sees the valid real
+  pairs (those before `count`, i.e. positions <= the anchor) and the slots d' <= d.
+  """
+  t = num_real + num_slots
+  i = jnp.arange(t)[:, None]
+  j = jnp.arange(t)[None, :]
+  real_key = (j < num_real)[None]
+  slot_sees_real = (j[None] < count_B[:, None, None]) & (i >= num_real)[None]
+  real_sees_real = ((j <= i) & (i < num_real))[None]
+  return jnp.where(real_key, slot_sees_real | real_sees_real, (j <= i) & (i >= num_real))
+
+
+def _top_candidates(target: Target, g_BPD, num_candidates):
+  """Top tokens and their draft log-probabilities at every depth: [B, P, k] each."""
+  logp = jax.nn.log_softmax(target.logits(g_BPD), axis=-1)
+  logp_k, tokens_k = jax.lax.top_k(logp, num_candidates)
+  return tokens_k.astype(jnp.int32), logp_k
+
+
+def _nodes_from_candidates(tokens_BPk, logp_BPk, pool: tree_lib.Tree):
+  """Node m at depth d and rank r takes candidate r of depth d; missing ranks are -inf."""
+  a = pool.arrays
+  depth, rank = a.depth[1:] - 1, a.rank[1:]
+  have = tokens_BPk.shape[-1]
+  tokens = tokens_BPk[:, depth, jnp.minimum(rank, have - 1)]
+  logp = jnp.where(rank < have, logp_BPk[:, depth, jnp.minimum(rank, have - 1)], -jnp.inf)
+  batch = tokens_BPk.shape[0]
+  zero = jnp.zeros((batch, 1))
+  return (
+    jnp.concatenate([zero.astype(jnp.int32), tokens], axis=1),
+    jnp.concatenate([zero, logp], axis=1),
+  )
+
+
+def _propose_pspec(drafter, target, cache, pairs, context, pool):
+  depth = pool.depth
+  num_real = pairs.tokens.shape[1]
+  u = drafter.apply(target.embed(pairs.tokens), pairs.features, method=FeatureDrafter.pairs)
+  slots = drafter.apply(method=FeatureDrafter.slots)[: depth - 1]
+  batch = u.shape[0]
+  x = jnp.concatenate([u, jnp.broadcast_to(slots, (batch, *slots.shape)).astype(u.dtype)], 1)
+  start = cache.lengths[:, None]
+  anchor = start + pairs.count[:, None] - 1
+  positions = jnp.concatenate([start + jnp.arange(num_real), anchor + jnp.arange(1, depth)], axis=1)
+  g, (k, v) = drafter.apply(x, positions, pspec_mask(pairs.count, num_real, depth - 1), cache)
+  cache = cache.write((k[:, :, :num_real], v[:, :, :num_real]), pairs.count)
+  g_BPD = jnp.concatenate([pairs.last(g[:, :num_real]), g[:, num_real:]], axis=1)
+  return cache, _nodes_from_candidates(*_top_candidates(target, g_BPD, pool.num_candidates), pool)
+
+
+def _propose_eagle(drafter, target, cache, pairs, context, pool):
+  """Real pairs first (into the cache), then the pool level by level.
+
+  Pass d runs every node of depth <= d under the tree mask (a node sees its ancestors and the
+  real pairs); recomputing the shallower levels keeps one layer call per level without a
+  scratch cache, and costs little at tree sizes.
+  """
+  a, k = pool.arrays, pool.num_candidates
+  num_real = pairs.tokens.shape[1]
+  u = drafter.apply(target.embed(pairs.tokens), pairs.features, method=FeatureDrafter.pairs)
+  start = cache.lengths[:, None]
+  causal = jnp.tril(jnp.ones((num_real, num_real), jnp.bool_))
+  g, kv = drafter.apply(u, start + jnp.arange(num_real), causal, cache)
+  cache = cache.write(kv, pairs.count)
+  anchor = start + pairs.count[:, None] - 1
+  batch, m = u.shape[0], pool.num_nodes
+  node_g = jnp.zeros((batch, m, u.shape[-1]), g.dtype).at[:, :1].set(pairs.last(g))
+  node_tokens = jnp.zeros((batch, m), jnp.int32)
+  node_logp = jnp.zeros((batch, m), jnp.float32)
+  for d in range(pool.depth):
+    # Children of the depth-d nodes (their g is known) take their parent's top-k.
+    parents = (a.depth == d).nonzero()[0]
+    children = (a.depth == d + 1).nonzero()[0]
+    tokens_k, logp_k = _top_candidates(target, node_g[:, parents], k)
+    slot = a.parent[children] - parents[0]
+    node_tokens = node_tokens.at[:, children].set(tokens_k[:, slot, a.rank[children]])
+    node_logp = node_logp.at[:, children].set(logp_k[:, slot, a.rank[children]])
+    if d + 1 == pool.depth:
+      break
+    nodes = np.arange(1, children[-1] + 1)
+    u = drafter.apply(
+      target.embed(node_tokens[:, nodes]), node_g[:, a.parent[nodes]], method=FeatureDrafter.pairs
+    )
+    mask = a.ancestors[1:, 1:][: len(nodes), : len(nodes)]
+    g, _ = drafter.apply(u, anchor + a.depth[nodes], mask, cache)
+    node_g = node_g.at[:, children].set(g[:, children - 1])
+  return cache, (node_tokens, node_logp)
+
+
+def _propose_medusa(drafter, target, cache, pairs, context, pool):
+  h_BPD = drafter.apply(pairs.last(pairs.features)[:, 0])[:, : pool.depth]
+  return cache, _nodes_from_candidates(*_top_candidates(target, h_BPD, pool.num_candidates), pool)
+
+
+def pld_candidates(tokens_BW, num_tokens_B, num_draft, max_ngram):
+  """Prompt lookup: the K tokens after the most recent earlier occurrence of the suffix.
+
+  The longest suffix n-gram (up to `max_ngram`) with an earlier occurrence wins; among its
+  occurrences the most recent. Returns tokens [B, K] and whether each is a real proposal
+  (a continuation cannot run past the known tokens).
+  """
+  width = tokens_BW.shape[1]
+  starts = jnp.arange(width)
+
+  def one(tokens_W, n):
+    best_start, found = jnp.int32(-1), jnp.bool_(False)
+    for g in range(max_ngram, 0, -1):
+      suffix = jax.lax.dynamic_slice(tokens_W, (jnp.maximum(n - g, 0),), (g,))
+      same = jnp.ones((width,), jnp.bool_)
+      for j in range(g):
+        shifted = jnp.roll(tokens_W, -j)
+        same = same & (shifted == suffix[j])
+      # An occurrence must end before the suffix's last token so that a continuation exists.
+      valid = same & (starts + g <= n - 1) & (n - g >= 0)
+      last = jnp.max(jnp.where(valid, starts, -1))
+      take = ~found & (last >= 0)
+      best_start = jnp.where(take, last + g, best_start)
+      found = found | take
+    index = best_start + jnp.arange(num_draft)
+    ok = found & (index < n)
+    return tokens_W[jnp.clip(index, 0, width - 1)], ok
+
+  return jax.vmap(one)(tokens_BW, num_tokens_B)
+
+
+def _propose_pld(drafter, target, cache, pairs, context, pool):
+  tokens_BW, num_tokens_B = context
+  tokens, ok = pld_candidates(tokens_BW, num_tokens_B, pool.depth, drafter.cfg.max_ngram)
+  logp = jnp.where(ok, 0.0, -jnp.inf)
+  return cache, _nodes_from_candidates(tokens[..., None], logp[..., None], pool)
+
+
+def propose(
+  drafter: Drafter,
+  target: Target,
+  cache: KVCache | None,
+  pairs: Pairs,
+  context: tuple[jax.Array, jax.Array],
+  pool: tree_lib.Tree,
+):
+  """Drafts every node of the tree pool for the next round.
+
+  Args:
+    drafter: the drafter.
+    target: the target (its embedding and LM head are shared).
+    cache: the drafter's cache over real pairs before `pairs` (None for medusa/pld).
+    pairs: the pairs accepted since the last round.
+    context: (tokens_BW, num_tokens_B): every sequence's known tokens, bonus included.
+    pool: the tree (or dynamic pool) to fill.
+
+  Returns:
+    (cache, (node_tokens_BM, node_logp_BM)): the updated drafter cache, and each pool node's
+    token and its draft log-probability given its parent (root entries are placeholders).
+  """
+  if pool.depth == 0:
+    batch = pairs.count.shape[0]
+    return cache, (jnp.zeros((batch, 1), jnp.int32), jnp.zeros((batch, 1)))
+  return PROPOSERS[drafter.cfg.kind](drafter, target, cache, pairs, context, pool)
+
+
+# kind -> fn(drafter, target, cache, pairs, context, pool) -> (cache, (node_tokens, node_logp))
+PROPOSERS = {
+  "pspec": _propose_pspec,
+  "eagle": _propose_eagle,
+  "medusa": _propose_medusa,
+  "pld": _propose_pld,
+}

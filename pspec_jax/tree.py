@@ -1,0 +1,231 @@
+"""Token trees for one verification pass (DESIGN.md section 3, step 3).
+
+A tree is a set of *rank paths*, Medusa style: `(0,)` is the drafter's most probable token at
+depth 1, `(1,)` its second, `(0, 2)` the third candidate at depth 2 below the first one, and so
+on. The root (node 0, the empty path) is the bonus token x_{n+1}; a node at depth d is a
+candidate for x_{n+1+d}. Nodes are stored sorted by (depth, path), so parents precede children
+and siblings appear in rank order, which acceptance relies on.
+
+Static trees are the same every round. A dynamic tree (EAGLE-2 style) keeps, each round, the
+`budget` nodes of a larger static *pool* with the highest draft confidence (the product of the
+draft probabilities along the node's path); because confidence never grows along a path, the
+kept set is a tree.
+
+Presets (`parse`): `chain` (K nodes in a line), `sparseN` (an N-node sparse tree) and
+`dynamic:N` (N nodes chosen per round from a 4N-node pool). Sparse trees and pools are grown
+best-first under a fixed prior on how often the rank-r candidate is right, the same idea as
+Medusa's calibrated trees: `RANK_PRIOR[r]`, one factor per step of the path.
+"""
+
+import dataclasses
+import functools
+import heapq
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+# Prior probability that the rank-r draft candidate is the accepted one (sums to < 1).
+RANK_PRIOR = (0.6, 0.15, 0.07, 0.04, 0.025, 0.015, 0.01, 0.007)
+Path = tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tree:
+  """A static tree of rank paths (hashable: a static jit argument).
+
+  Attributes:
+    paths: rank paths of the non-root nodes, sorted by (depth, path), prefix-closed.
+    budget: 0 for a static tree; else the nodes (root included) kept per round from this pool.
+  """
+
+  paths: tuple[Path, ...]
+  budget: int = 0
+
+  def __post_init__(self):
+    paths = tuple(tuple(int(r) for r in p) for p in self.paths)
+    if len(set(paths)) != len(paths) or any(not p or min(p) < 0 for p in paths):
+      raise ValueError(f"tree paths must be distinct, non-empty rank tuples: {self.paths}")
+    known = set(paths) | {()}
+    for p in paths:
+      if p[:-1] not in known:
+        raise ValueError(f"tree path {p} has no parent {p[:-1]} in the tree")
+    object.__setattr__(self, "paths", tuple(sorted(paths, key=lambda p: (len(p), p))))
+    if self.budget and not 1 <= self.budget <= self.num_nodes:
+      raise ValueError(f"dynamic tree budget {self.budget} must be in [1, {self.num_nodes}]")
+
+  @property
+  def num_nodes(self) -> int:
+    """Nodes of the (pool) tree, root included."""
+    return len(self.paths) + 1
+
+  @property
+  def num_verified(self) -> int:
+    """Nodes the target verifies per round, root included (M)."""
+    return self.budget or self.num_nodes
+
+  @property
+  def depth(self) -> int:
+    """Deepest level (P): draft tokens needed per round."""
+    return max((len(p) for p in self.paths), default=0)
+
+  @property
+  def num_candidates(self) -> int:
+    """Candidates per depth the drafter must rank (1 + the largest rank used)."""
+    return 1 + max((r for p in self.paths for r in p), default=0)
+
+  @functools.cached_property
+  def arrays(self) -> "TreeArrays":
+    """The static tree as numpy arrays (no batch axis)."""
+    index = {(): 0} | {p: i + 1 for i, p in enumerate(self.paths)}
+    all_paths = [(), *self.paths]
+    m = len(all_paths)
+    depth = np.array([len(p) for p in all_paths], np.int32)
+    parent = np.array([index[p[:-1]] if p else 0 for p in all_paths], np.int32)
+    rank = np.array([p[-1] if p else 0 for p in all_paths], np.int32)
+    ancestors = np.zeros((m, m), bool)
+    for i, p in enumerate(all_paths):
+      for d in range(len(p) + 1):
+        ancestors[i, index[p[:d]]] = True
+    return TreeArrays(
+      depth=depth,
+      parent=parent,
+      rank=rank,
+      ancestors=ancestors,
+      children=_children(parent, max_children(parent)),
+    )
+
+  def leaf_paths(self) -> np.ndarray:
+    """Retrieval indices [R, P + 1]: node indices from the root to each leaf, -1 padded."""
+    a = self.arrays
+    leaves = [i for i in range(self.num_nodes) if not (a.parent[1:] == i).any()]
+    out = np.full((len(leaves), self.depth + 1), -1, np.int32)
+    for row, leaf in enumerate(leaves):
+      chain = [leaf]
+      while chain[-1]:
+        chain.append(int(a.parent[chain[-1]]))
+      out[row, : len(chain)] = chain[::-1]
+    return out
+
+
+@struct.dataclass
+class TreeArrays:
+  """One tree as arrays; with a leading batch axis inside the decode loop.
+
+  depth [M], parent [M] (the root is its own parent), rank [M], ancestors [M, M] (node i sees
+  node j iff j is i or one of its ancestors) and children [M, C] (node indices in rank order,
+  -1 padded).
+  """
+
+  depth: jax.Array
+  parent: jax.Array
+  rank: jax.Array
+  ancestors: jax.Array
+  children: jax.Array
+
+
+def max_children(parent) -> int:
+  counts = np.bincount(np.asarray(parent)[1:], minlength=1)
+  return max(int(counts.max()), 1)
+
+
+def _children(parent, num_slots):
+  """children[M, C] from parent[M] (numpy or jax), in node order."""
+  xp = jnp if isinstance(parent, jax.Array) else np
+  m = parent.shape[-1]
+  nodes = xp.arange(m)
+  is_child = (parent[None, :] == nodes[:, None]) & (nodes[None, :] > 0)  # [parent, node]
+  slot = xp.cumsum(is_child, axis=1) - 1  # sibling order of each child
+  table = xp.where(
+    is_child[:, None, :] & (slot[:, None, :] == xp.arange(num_slots)[None, :, None]),
+    nodes[None, None, :],
+    -1,
+  )
+  return table.max(axis=-1).astype(xp.int32)
+
+
+def grow(num_nodes: int, max_depth: int, max_rank: int = len(RANK_PRIOR)) -> tuple[Path, ...]:
+  """The `num_nodes`-node tree (root included) of highest prior, grown best-first."""
+  if num_nodes < 1 or max_depth < 0:
+    raise ValueError(f"need num_nodes >= 1 and max_depth >= 0, got {num_nodes}, {max_depth}")
+  log_prior = [math.log(p) for p in RANK_PRIOR[:max_rank]]
+  paths: list[Path] = []
+  heap = [(-log_prior[0], (0,))] if max_depth and num_nodes > 1 else []
+  while heap and len(paths) < num_nodes - 1:
+    neg_score, path = heapq.heappop(heap)
+    paths.append(path)
+    # The next candidates: this node's first child and its next sibling.
+    if len(path) < max_depth:
+      heapq.heappush(heap, (neg_score - log_prior[0], (*path, 0)))
+    if path[-1] + 1 < len(log_prior):
+      step = log_prior[path[-1] + 1] - log_prior[path[-1]]
+      heapq.heappush(heap, (neg_score - step, (*path[:-1], path[-1] + 1)))
+  return tuple(paths)
+
+
+def chain(num_draft: int) -> Tree:
+  return Tree(paths=tuple((0,) * d for d in range(1, num_draft + 1)))
+
+
+ROOT_ONLY = Tree(paths=())
+
+
+@functools.cache
+def parse(spec: str, num_draft: int) -> Tree:
+  """A tree from its preset name: `chain`, `sparseN` or `dynamic:N` (N nodes, root included).
+
+  Trees never go deeper than `num_draft` (K), the draft tokens proposed per round.
+  """
+  if num_draft < 1:
+    raise ValueError(f"num_draft (K) must be >= 1, got {num_draft}")
+  if spec == "chain":
+    return chain(num_draft)
+  match = re.fullmatch(r"(sparse|dynamic:)(\d+)", spec)
+  if not match or int(match[2]) < 2:
+    raise ValueError(
+      f"unknown tree {spec!r}: use 'chain', 'sparseN' or 'dynamic:N' with N >= 2 nodes"
+    )
+  n = int(match[2])
+  if match[1] == "sparse":
+    return Tree(paths=grow(n, num_draft))
+  return Tree(paths=grow(4 * n, num_draft), budget=n)
+
+
+def batched(tree: Tree, batch: int) -> TreeArrays:
+  """The static tree's arrays broadcast over the batch."""
+  return jax.tree.map(lambda x: jnp.broadcast_to(x, (batch, *x.shape)), tree.arrays)
+
+
+def select_dynamic(pool: Tree, node_logp_BM: jax.Array) -> tuple[jax.Array, TreeArrays]:
+  """Keeps the `pool.budget` most confident nodes of the pool, per sequence.
+
+  Args:
+    pool: the dynamic tree's pool.
+    node_logp_BM: draft log-probability of every pool node's token given its parent (the
+      root's entry is ignored).
+
+  Returns:
+    (kept_BM, arrays): kept pool-node indices in pool order (root first) and the kept tree.
+  """
+  a = pool.arrays
+  # Impossible candidates (-inf) become very unlikely ones so that the sums stay finite; top_k
+  # prefers the lower index on ties, and parents have lower indices than their children.
+  logp = jnp.maximum(node_logp_BM.astype(jnp.float32), -1e4).at[:, 0].set(0.0)
+  confidence = logp @ jnp.asarray(a.ancestors, jnp.float32).T  # log of the product on the path
+  confidence = confidence.at[:, 0].set(jnp.inf)
+  kept = jnp.sort(jax.lax.top_k(confidence, pool.budget)[1], axis=-1).astype(jnp.int32)
+
+  def one(kept_M):
+    parent = jnp.searchsorted(kept_M, jnp.asarray(a.parent)[kept_M]).astype(jnp.int32)
+    return TreeArrays(
+      depth=jnp.asarray(a.depth)[kept_M],
+      parent=parent,
+      rank=jnp.asarray(a.rank)[kept_M],
+      ancestors=jnp.asarray(a.ancestors)[kept_M][:, kept_M],
+      children=_children(parent, a.children.shape[1]),
+    )
+
+  return kept, jax.vmap(one)(kept)
