@@ -3,6 +3,9 @@ r"""Generate text for one prompt or a file of prompts.
   python -m infer.generate --prompt="Write a haiku about JAX."
   python -m infer.generate --prompts=prompts.jsonl --batch_size=4 --json
   python -m infer.generate --target=path/to/hf_dir --temperature=0.7 --top_p=0.9 --seed=1
+  python -m infer.generate --prompt="..." --method=pld --num_draft=6
+  python -m infer.generate --prompt="..." --method=pspec --drafter=drafters/smollm2_pspec \
+      --tree=dynamic:16
 
 On a terminal, text streams as it is generated (batch size 1); `--json` prints one JSON object
 per prompt instead.
@@ -26,6 +29,10 @@ flags.DEFINE_integer("seed", 0, "PRNG seed for sampling.")
 flags.DEFINE_integer("batch_size", 1, "Prompts decoded together.")
 flags.DEFINE_bool("chat", None, "Apply the chat template (default: when the tokenizer has one).")
 flags.DEFINE_bool("json", False, "Print one JSON object per prompt.")
+flags.DEFINE_enum("method", "none", ["none", "pspec", "eagle", "medusa", "pld"], "Drafting method.")
+flags.DEFINE_string("drafter", None, "Drafter directory, or `random` (untrained, seeded).")
+flags.DEFINE_integer("num_draft", None, "K, draft tokens per round (default: the drafter's).")
+flags.DEFINE_string("tree", None, "Tree: chain, sparseN or dynamic:N (default: the drafter's).")
 
 
 def _prompts() -> list[str]:
@@ -41,7 +48,7 @@ def run() -> None:
   import numpy as np
   import transformers
 
-  from pspec_jax import checkpoints, data, decode
+  from pspec_jax import checkpoints, data, decode, drafter_files
   from pspec_jax.sampling import SamplingConfig
 
   transformers.logging.set_verbosity_error()
@@ -53,13 +60,21 @@ def run() -> None:
   chat = FLAGS.chat if FLAGS.chat is not None else tokenizer.chat_template is not None
   encoded = [data.encode_prompt(tokenizer, p, chat) for p in prompts]
   target = checkpoints.load_target(FLAGS.target, scan_layers=False)
+  if FLAGS.num_draft is not None and FLAGS.num_draft < 1:
+    raise ValueError(f"--num_draft must be >= 1, got {FLAGS.num_draft}")
+  drafter = drafter_files.resolve_drafter(
+    FLAGS.method, FLAGS.drafter, target, seed=FLAGS.seed, num_draft=FLAGS.num_draft or 4
+  )
   cfg = decode.DecodeConfig(
     max_new_tokens=FLAGS.max_new_tokens,
     sampling=sampling,
     eos_ids=checkpoints.eos_token_ids(FLAGS.target, tokenizer),
     pad_id=tokenizer.pad_token_id or 0,
+    num_draft=FLAGS.num_draft or 0,
+    tree=FLAGS.tree or "",
   )
-  max_width = target.cfg.max_position_embeddings - cfg.max_new_tokens
+  depth = decode.pool_tree(cfg, drafter).depth
+  max_width = target.cfg.max_position_embeddings - cfg.max_new_tokens - depth
   live = sys.stdout.isatty() and not FLAGS.json and FLAGS.batch_size == 1
   key = jax.random.key(FLAGS.seed)
   for start in range(0, len(prompts), FLAGS.batch_size):
@@ -70,21 +85,27 @@ def run() -> None:
     if live:
       print(f"> {prompts[start]}\n", flush=True)
       generated, shown = [], ""
-      for new in decode.stream(target, tokens, lengths, batch_key, cfg):
+      for new in decode.stream(target, tokens, lengths, batch_key, cfg, drafter):
         generated.extend(new[0].tolist())
         text = tokenizer.decode(generated, skip_special_tokens=True)
         print(text[len(shown) :], end="", flush=True)
         shown = text
       print("\n", flush=True)
       continue
-    out = jax.device_get(decode.generate(target, tokens, lengths, batch_key, cfg))
+    out = jax.device_get(decode.generate(target, tokens, lengths, batch_key, cfg, drafter))
     seconds = time.perf_counter() - began
     for row, prompt in enumerate(prompts[start : start + len(batch)]):
       ids = np.asarray(out.tokens[row, : out.lengths[row]]).tolist()
       text = tokenizer.decode(ids, skip_special_tokens=True)
       if FLAGS.json:
         record = dict(
-          prompt=prompt, text=text, tokens=ids, num_tokens=len(ids), seconds=round(seconds, 4)
+          prompt=prompt,
+          text=text,
+          tokens=ids,
+          num_tokens=len(ids),
+          seconds=round(seconds, 4),
+          rounds=int(out.rounds[row]),
+          tau=round(float(out.tau[row]), 4),
         )
         print(json.dumps(record), flush=True)
       else:

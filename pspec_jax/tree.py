@@ -48,7 +48,9 @@ class Tree:
   def __post_init__(self):
     paths = tuple(tuple(int(r) for r in p) for p in self.paths)
     if len(set(paths)) != len(paths) or any(not p or min(p) < 0 for p in paths):
-      raise ValueError(f"tree paths must be distinct, non-empty rank tuples: {self.paths}")
+      raise ValueError(
+        f"tree paths must be distinct, non-empty tuples of ranks >= 0, got {self.paths}"
+      )
     known = set(paths) | {()}
     for p in paths:
       if p[:-1] not in known:
@@ -149,8 +151,11 @@ def _children(parent, num_slots):
 
 def grow(num_nodes: int, max_depth: int, max_rank: int = len(RANK_PRIOR)) -> tuple[Path, ...]:
   """The `num_nodes`-node tree (root included) of highest prior, grown best-first."""
-  if num_nodes < 1 or max_depth < 0:
-    raise ValueError(f"need num_nodes >= 1 and max_depth >= 0, got {num_nodes}, {max_depth}")
+  if num_nodes < 1 or max_depth < 0 or not 1 <= max_rank <= len(RANK_PRIOR):
+    raise ValueError(
+      f"need num_nodes >= 1, max_depth >= 0 and 1 <= max_rank <= {len(RANK_PRIOR)}, got "
+      f"{num_nodes}, {max_depth}, {max_rank}"
+    )
   log_prior = [math.log(p) for p in RANK_PRIOR[:max_rank]]
   paths: list[Path] = []
   heap = [(-log_prior[0], (0,))] if max_depth and num_nodes > 1 else []
@@ -189,9 +194,13 @@ def parse(spec: str, num_draft: int) -> Tree:
       f"unknown tree {spec!r}: use 'chain', 'sparseN' or 'dynamic:N' with N >= 2 nodes"
     )
   n = int(match[2])
-  if match[1] == "sparse":
-    return Tree(paths=grow(n, num_draft))
-  return Tree(paths=grow(4 * n, num_draft), budget=n)
+  paths = grow(n if match[1] == "sparse" else 4 * n, num_draft)
+  if len(paths) + 1 < n:
+    raise ValueError(
+      f"tree {spec!r} needs more than the {len(paths) + 1} nodes that K={num_draft} allows: "
+      "raise K or use fewer nodes"
+    )
+  return Tree(paths=paths, budget=0 if match[1] == "sparse" else n)
 
 
 def batched(tree: Tree, batch: int) -> TreeArrays:
@@ -214,7 +223,8 @@ def select_dynamic(pool: Tree, node_logp_BM: jax.Array) -> tuple[jax.Array, Tree
   # Impossible candidates (-inf) become very unlikely ones so that the sums stay finite; top_k
   # prefers the lower index on ties, and parents have lower indices than their children.
   logp = jnp.maximum(node_logp_BM.astype(jnp.float32), -1e4).at[:, 0].set(0.0)
-  confidence = logp @ jnp.asarray(a.ancestors, jnp.float32).T  # log of the product on the path
+  # Log of the product along each node's path (a masked sum: exact, whatever the matmul precision).
+  confidence = jnp.where(jnp.asarray(a.ancestors)[None], logp[:, None, :], 0.0).sum(-1)
   confidence = confidence.at[:, 0].set(jnp.inf)
   kept = jnp.sort(jax.lax.top_k(confidence, pool.budget)[1], axis=-1).astype(jnp.int32)
 

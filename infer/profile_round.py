@@ -1,0 +1,150 @@
+r"""Where a speculative round spends its time, and what verifying N tree nodes costs.
+
+  python -m infer.profile_round                       # random pspec drafter and pld, K=4
+  python -m infer.profile_round --methods=pld,eagle --num_draft=6 --tree=sparse16
+
+Part 1 runs each method's rounds one phase at a time from the host (each phase jitted on its
+own, timed after `block_until_ready`): draft, verify, accept+commit, in ms per round and as
+shares. Part 2 times the verification pass alone for trees of N = 1, 4, 8, ... nodes (N = 1
+is the root alone) at the same context, relative to one whole auto-regressive round. These
+numbers decide the tree budget on a given machine. Everything is compiled and warmed up
+before it is timed; reported times are medians.
+"""
+
+import statistics
+import sys
+import time
+
+from absl import app, flags, logging
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("target", "smollm2-135m-instruct", "Target name, HF directory or .gguf file.")
+flags.DEFINE_list("methods", ["pspec", "pld"], "Drafting methods to split into phases.")
+flags.DEFINE_string("drafter", "random", "Drafter directory, or `random` (untrained, seeded).")
+flags.DEFINE_integer("num_draft", 4, "K, draft tokens per round.")
+flags.DEFINE_string("tree", "chain", "Tree for part 1: chain, sparseN or dynamic:N.")
+flags.DEFINE_list("nodes", ["1", "4", "8", "16", "32", "64"], "Tree sizes N for part 2.")
+flags.DEFINE_integer("num_prompts", 4, "MT-Bench prompts (first turns).")
+flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated per prompt in part 1.")
+flags.DEFINE_integer("repeats", 20, "Timed verification passes per tree size in part 2.")
+
+
+def _timed(fn, *args):
+  import jax
+
+  began = time.perf_counter()
+  out = jax.block_until_ready(fn(*args))
+  return out, time.perf_counter() - began
+
+
+def phase_split(target, drafter, prompts, cfg):
+  """Median ms per round of each phase over every round of every prompt (after warm-up)."""
+  import jax
+
+  from pspec_jax import data, decode
+
+  init = jax.jit(decode.init, static_argnames="cfg")
+  verify = jax.jit(decode.verify, static_argnames="cfg")
+  commit = jax.jit(decode.commit, static_argnames="cfg")
+  draft = jax.jit(decode.draft, static_argnames="cfg")
+  times = {"draft": [], "verify": [], "accept+commit": []}
+  for warm_up in (True, False):
+    for ids in prompts[:1] if warm_up else prompts:
+      tokens, lengths = data.pad_batch([ids])
+      state = init(target, tokens, lengths, jax.random.key(0), cfg, drafter)
+      while not bool(state.done.all()):
+        verified, t_verify = _timed(verify, target, state, cfg, drafter)
+        (state, pairs), t_commit = _timed(commit, state, verified, cfg, drafter)
+        state, t_draft = _timed(draft, target, drafter, state, pairs, cfg)
+        if not warm_up:
+          times["verify"].append(t_verify)
+          times["accept+commit"].append(t_commit)
+          times["draft"].append(t_draft)
+  return {k: 1e3 * statistics.median(v) for k, v in times.items()}, len(times["draft"])
+
+
+def verify_cost(target, drafter, ids, cfg, nodes, repeats):
+  """Median ms of one verification pass per tree size, and of one plain decoding round."""
+  import dataclasses
+
+  import jax
+
+  from pspec_jax import data, decode
+
+  tokens, lengths = data.pad_batch([ids])
+  key = jax.random.key(0)
+
+  def median_ms(fn, *args):
+    jax.block_until_ready(fn(*args))  # compile
+    return 1e3 * statistics.median(_timed(fn, *args)[1] for _ in range(repeats))
+
+  plain = jax.jit(decode.round_step, static_argnames="cfg")
+  state = jax.jit(decode.init, static_argnames="cfg")(target, tokens, lengths, key, cfg)
+  ar_ms = median_ms(plain, target, state, cfg)
+  verify = jax.jit(decode.verify, static_argnames="cfg")
+  out = {}
+  for n in nodes:
+    tree_cfg = dataclasses.replace(cfg, tree="chain" if n == 1 else f"sparse{n}")
+    d = None if n == 1 else drafter
+    state = jax.jit(decode.init, static_argnames="cfg")(target, tokens, lengths, key, tree_cfg, d)
+    out[n] = median_ms(verify, target, state, tree_cfg, d)
+  return ar_ms, out
+
+
+def run():
+  import dataclasses
+
+  import transformers
+
+  from pspec_jax import checkpoints, data, decode, drafter_files
+
+  transformers.logging.set_verbosity_error()
+  tokenizer = checkpoints.load_tokenizer(FLAGS.target)
+  prompts = data.read_prompts(data.prompt_set_path("mt_bench"))[: FLAGS.num_prompts]
+  encoded = [data.encode_prompt(tokenizer, p, tokenizer.chat_template is not None) for p in prompts]
+  target = checkpoints.load_target(FLAGS.target, scan_layers=False)
+  cfg = decode.DecodeConfig(
+    max_new_tokens=FLAGS.max_new_tokens,
+    eos_ids=checkpoints.eos_token_ids(FLAGS.target, tokenizer),
+    num_draft=FLAGS.num_draft,
+    tree=FLAGS.tree,
+  )
+  print(f"# Round profile: {FLAGS.target}, K={FLAGS.num_draft}, tree {FLAGS.tree}\n")
+  print("| method | rounds | draft ms | verify ms | accept+commit ms | draft / verify / a+c |")
+  print("|---|---|---|---|---|---|")
+  for method in FLAGS.methods:
+    drafter = drafter_files.resolve_drafter(
+      method, FLAGS.drafter, target, num_draft=FLAGS.num_draft
+    )
+    ms, rounds = phase_split(target, drafter, encoded, cfg)
+    total = sum(ms.values())
+    shares = " / ".join(f"{100 * ms[k] / total:.0f}%" for k in ms)
+    print(
+      f"| {method} | {rounds} | {ms['draft']:.2f} | {ms['verify']:.2f} | "
+      f"{ms['accept+commit']:.2f} | {shares} |",
+      flush=True,
+    )
+  nodes = [int(n) for n in FLAGS.nodes]
+  drafter = drafter_files.resolve_drafter("pspec", "random", target, num_draft=FLAGS.num_draft)
+  ar_ms, verify_ms = verify_cost(
+    target, drafter, encoded[0], dataclasses.replace(cfg, max_new_tokens=8), nodes, FLAGS.repeats
+  )
+  print(f"\nOne auto-regressive round (verify + commit of the root alone): {ar_ms:.2f} ms\n")
+  print("| nodes N | verify ms | / AR round |")
+  print("|---|---|---|")
+  for n, ms in verify_ms.items():
+    print(f"| {n} | {ms:.2f} | {ms / ar_ms:.2f} |", flush=True)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  logging.set_verbosity(logging.WARNING)
+  try:
+    run()
+  except ValueError as e:
+    sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+  app.run(main)

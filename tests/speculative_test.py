@@ -1,0 +1,306 @@
+"""Speculative decoding end to end: lossless for every drafter kind, tau accounting, sampling."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+
+from pspec_jax import decode, llama
+from pspec_jax import drafter as drafter_lib
+from pspec_jax import tree as tree_lib
+from pspec_jax.sampling import SamplingConfig
+
+# A small vocabulary makes random drafters right now and then, so acceptance paths run.
+TINY = llama.LlamaConfig(
+  name="tiny",
+  vocab_size=16,
+  hidden_size=32,
+  intermediate_size=48,
+  num_layers=2,
+  num_heads=4,
+  num_kv_heads=2,
+  max_position_embeddings=256,
+)
+PROMPTS = [[5, 9, 2, 13, 7], [1, 2], [10, 11, 12, 13, 14, 15, 3, 4, 8], [6]]
+KINDS = ("pspec", "eagle", "medusa", "pld")
+
+
+def make_target(scale, seed=0, cfg=TINY):
+  params = llama.init_params(cfg, jax.random.key(seed))
+  params = jax.tree.map(lambda x: x * scale if x.ndim > 2 else x, params)
+  return llama.Target(cfg=cfg, params=params).with_scan_layers(False)
+
+
+@pytest.fixture(scope="module")
+def target():
+  return make_target(5.0)
+
+
+def padded(prompts, width=16):
+  tokens = np.zeros((len(prompts), width), np.int32)
+  for row, p in enumerate(prompts):
+    tokens[row, : len(p)] = p
+  return jnp.asarray(tokens), jnp.asarray([len(p) for p in prompts], jnp.int32)
+
+
+def drafter_for(kind, target, num_draft=4, seed=1):
+  if kind == "pld":
+    cfg = drafter_lib.DrafterConfig.for_target("pld", target.cfg, num_draft=num_draft)
+    return drafter_lib.Drafter(cfg=cfg, params={})
+  return drafter_lib.random_drafter(kind, target, jax.random.key(seed), num_draft=num_draft)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("tree", ["chain", "sparse8", "dynamic:6"])
+def test_greedy_speculative_equals_plain_greedy(target, kind, tree):
+  tokens, lengths = padded(PROMPTS)
+  cfg = decode.DecodeConfig(max_new_tokens=24, eos_ids=(3,), tree=tree)
+  plain = decode.generate(target, tokens, lengths, jax.random.key(0), cfg)
+  spec = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter_for(kind, target))
+  assert spec.tokens.tolist() == plain.tokens.tolist()
+  assert spec.lengths.tolist() == plain.lengths.tolist()
+  assert (spec.rounds <= plain.rounds).all()
+  # tau counts every token after the prefill's once.
+  np.testing.assert_allclose(spec.tau * spec.rounds, spec.lengths - 1, rtol=1e-6)
+
+
+def test_eos_inside_an_accepted_path_cuts_the_round(target):
+  tokens, lengths = padded(PROMPTS)
+  cfg = decode.DecodeConfig(max_new_tokens=30)
+  plain = decode.generate(target, tokens, lengths, jax.random.key(0), cfg)
+  # EOS = a token that pld's repetitive proposals accept mid-path in some sequence.
+  eos = int(plain.tokens[0, 9])
+  cfg = decode.DecodeConfig(max_new_tokens=30, eos_ids=(eos,), num_draft=6)
+  plain = decode.generate(target, tokens, lengths, jax.random.key(0), cfg)
+  spec = decode.generate(
+    target, tokens, lengths, jax.random.key(0), cfg, drafter_for("pld", target)
+  )
+  assert spec.tokens.tolist() == plain.tokens.tolist()
+  stopped = plain.lengths < 30
+  assert stopped.any() and (spec.tau[stopped] > 1).any()
+  for row in np.nonzero(np.asarray(stopped))[0]:
+    assert int(plain.tokens[row, plain.lengths[row] - 1]) == eos
+
+
+def test_batch_of_one_equals_the_batch(target):
+  cfg = decode.DecodeConfig(max_new_tokens=16, tree="sparse8")
+  drafter = drafter_for("medusa", target)
+  batch = decode.generate(target, *padded(PROMPTS), jax.random.key(0), cfg, drafter)
+  for row, prompt in enumerate(PROMPTS):
+    alone = decode.generate(target, *padded([prompt], 9), jax.random.key(0), cfg, drafter)
+    assert alone.tokens[0].tolist() == batch.tokens[row].tolist()
+
+
+def oracle_proposer(reference_BW):
+  """Proposes the target's own greedy continuation, read from a reference decode."""
+
+  def propose(drafter, target, cache, pairs, context, pool):
+    _, num_tokens = context
+    index = num_tokens[:, None] + jnp.arange(pool.depth)
+    candidates = jnp.take_along_axis(reference_BW, index, axis=1)[..., None]
+    return cache, drafter_lib._nodes_from_candidates(candidates, jnp.zeros_like(candidates), pool)
+
+  return propose
+
+
+@pytest.mark.parametrize("num_draft", [1, 3, 5])
+def test_oracle_drafter_reaches_tau_k_plus_one(target, monkeypatch, num_draft):
+  rounds = 5
+  max_new = 1 + rounds * (num_draft + 1)
+  tokens, lengths = padded(PROMPTS)
+  cfg = decode.DecodeConfig(max_new_tokens=max_new + num_draft, num_draft=num_draft)
+  reference = decode.generate(target, tokens, lengths, jax.random.key(0), cfg)
+  full = np.zeros((len(PROMPTS), 16 + max_new + 2 * num_draft), np.int32)
+  for row, prompt in enumerate(PROMPTS):
+    full[row, : len(prompt)] = prompt
+    full[row, len(prompt) : len(prompt) + cfg.max_new_tokens] = reference.tokens[row]
+  monkeypatch.setitem(drafter_lib.PROPOSERS, "pld", oracle_proposer(jnp.asarray(full)))
+  cfg = decode.DecodeConfig(max_new_tokens=max_new, num_draft=num_draft)
+  out = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter_for("pld", target))
+  assert out.tokens.tolist() == reference.tokens[:, :max_new].tolist()
+  assert out.rounds.tolist() == [rounds] * len(PROMPTS)
+  np.testing.assert_array_equal(out.tau, num_draft + 1)
+  np.testing.assert_array_equal(out.accepted_per_depth, rounds)
+
+
+def test_stream_equals_generate_with_a_drafter(target):
+  tokens, lengths = padded(PROMPTS)
+  cfg = decode.DecodeConfig(max_new_tokens=20, eos_ids=(3,), tree="dynamic:5")
+  drafter = drafter_for("eagle", target)
+  out = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter)
+  pieces = [[] for _ in PROMPTS]
+  for new in decode.stream(target, tokens, lengths, jax.random.key(0), cfg, drafter):
+    for row, ids in enumerate(new):
+      pieces[row].extend(ids.tolist())
+  for row in range(len(PROMPTS)):
+    assert pieces[row] == out.tokens[row, : out.lengths[row]].tolist()
+
+
+def test_generate_under_a_users_jit(target):
+  tokens, lengths = padded(PROMPTS)
+  cfg = decode.DecodeConfig(max_new_tokens=12, tree="sparse8")
+  drafter = drafter_for("pspec", target)
+  fn = jax.jit(lambda t, d, x, n: decode.generate(t, x, n, jax.random.key(0), cfg, d).tokens)
+  plain = decode.generate(target, tokens, lengths, jax.random.key(0), cfg)
+  assert fn(target, drafter, tokens, lengths).tolist() == plain.tokens.tolist()
+
+
+# --- sampling is lossless --------------------------------------------------------------------
+
+SAMPLING_TINY = TINY.replace(vocab_size=6, max_position_embeddings=64)
+NUM_SAMPLES = 30000
+
+
+def exact_joint(target, prompt, length):
+  """Exact probability of every continuation of `length` tokens under the target (T = 1)."""
+  v = target.cfg.vocab_size
+  seqs = np.array(np.meshgrid(*[np.arange(v)] * length, indexing="ij")).reshape(length, -1).T
+  full = np.concatenate([np.tile(prompt, (len(seqs), 1)), seqs], axis=1)
+  positions = jnp.broadcast_to(jnp.arange(full.shape[1]), full.shape)
+  features, _ = target(jnp.asarray(full), positions)
+  logp = jax.nn.log_softmax(target.logits(features), axis=-1)
+  n = len(prompt)
+  steps = [logp[np.arange(len(seqs)), n - 1 + i, seqs[:, i]] for i in range(length)]
+  return np.exp(np.asarray(sum(steps), np.float64)), seqs
+
+
+def sample_many(target, drafter, prompt, cfg):
+  tokens, lengths = padded([prompt], width=8)
+
+  @jax.jit
+  def one(key):
+    out = decode.generate(target, tokens, lengths, key, cfg, drafter)
+    return out.tokens[0], out.tau[0]
+
+  keys = jax.random.split(jax.random.key(123), NUM_SAMPLES)
+  tokens, tau = jax.lax.map(one, keys, batch_size=1000)
+  return np.asarray(tokens), float(tau.mean())
+
+
+@pytest.mark.parametrize(
+  "kind,tree",
+  [(None, ""), ("pspec", "chain"), ("pspec", "sparse8"), ("medusa", "dynamic:5"), ("pld", "chain")],
+)
+def test_speculative_sampling_matches_the_target_distribution(kind, tree):
+  target = make_target(2.0, seed=3, cfg=SAMPLING_TINY)
+  prompt = [1, 2, 1, 2, 1]
+  length = 4
+  cfg = decode.DecodeConfig(
+    max_new_tokens=length, sampling=SamplingConfig(temperature=1.0), num_draft=3, tree=tree
+  )
+  drafter = None if kind is None else drafter_for(kind, target, num_draft=3, seed=7)
+  samples, tau = sample_many(target, drafter, prompt, cfg)
+  assert tau > 1.1 if drafter else tau == 1  # drafts do get accepted
+  probs, seqs = exact_joint(target, prompt, length)
+  v = target.cfg.vocab_size
+  codes = samples @ (v ** np.arange(length - 1, -1, -1))
+  observed = np.bincount(codes, minlength=len(seqs)).astype(np.float64)
+  expected = probs * NUM_SAMPLES
+  # Pool the rare continuations into one cell so that every expected count is >= 5.
+  rare = expected < 5
+  if rare.any():
+    observed = np.append(observed[~rare], observed[rare].sum())
+    expected = np.append(expected[~rare], expected[rare].sum())
+  assert len(expected) > 20
+  _, p_value = scipy.stats.chisquare(observed, expected * observed.sum() / expected.sum())
+  assert p_value > 1e-3
+
+
+# --- the drafters ----------------------------------------------------------------------------
+
+
+def reference_slot_mask(count, num_real, num_slots, start=0):
+  """DESIGN.md section 2, from positions: pair t sits at t; slot (a, d) at a + d."""
+  anchor = start + count - 1
+  kinds = [("real", start + j) for j in range(num_real)] + [
+    ("slot", d) for d in range(1, num_slots + 1)
+  ]
+  mask = np.zeros((len(kinds),) * 2, bool)
+  for i, (kind_i, x) in enumerate(kinds):
+    for j, (kind_j, y) in enumerate(kinds):
+      if kind_i == "real":
+        mask[i, j] = kind_j == "real" and y <= x
+      else:
+        mask[i, j] = (y <= anchor) if kind_j == "real" else y <= x
+  return mask
+
+
+def test_slot_mask_follows_the_attention_rule():
+  counts = jnp.asarray([1, 3, 5])
+  mask = drafter_lib.pspec_mask(counts, 5, 3)
+  for row, count in enumerate([1, 3, 5]):
+    ref = reference_slot_mask(count, 5, 3)
+    # Rows of pad pairs (j >= count) are never read.
+    keep = np.r_[np.arange(count), np.arange(5, 8)]
+    np.testing.assert_array_equal(
+      np.asarray(mask[row])[np.ix_(keep, keep)], ref[np.ix_(keep, keep)]
+    )
+
+
+def test_pspec_proposals_in_chunks_equal_one_pass_with_the_reference_mask(target):
+  """The cached, chunked drafter == one uncached pass over all pairs and slots."""
+  drafter = drafter_for("pspec", target, num_draft=4)
+  pool = tree_lib.parse("sparse8", 4)
+  rng = np.random.default_rng(0)
+  n = 11
+  pair_tokens = rng.integers(0, 16, (1, n)).astype(np.int32)
+  features = jnp.asarray(rng.normal(size=(1, n, 32)), jnp.float32)
+  cache = drafter.empty_cache(1, 32)
+  for lo, hi in [(0, 4), (4, 5), (5, 9), (9, 11)]:  # ragged chunks, padded to 5 pairs
+    width = 5
+    chunk_tokens = np.zeros((1, width), np.int32)
+    chunk_tokens[0, : hi - lo] = pair_tokens[0, lo:hi]
+    chunk_features = jnp.zeros((1, width, 32)).at[:, : hi - lo].set(features[:, lo:hi])
+    pairs = drafter_lib.Pairs(
+      tokens=jnp.asarray(chunk_tokens), features=chunk_features, count=jnp.asarray([hi - lo])
+    )
+    cache, (tokens, logp) = drafter_lib.propose(drafter, target, cache, pairs, None, pool)
+  # Reference: every pair and the 3 slots anchored at the last pair, explicit mask, no cache.
+  fd = drafter_lib.FeatureDrafter
+  u = drafter.apply(target.embed(jnp.asarray(pair_tokens)), features, method=fd.pairs)
+  x = jnp.concatenate([u, drafter.apply(method=fd.slots)[None, :3]], axis=1)
+  positions = jnp.concatenate([jnp.arange(n), n - 1 + jnp.arange(1, 4)])[None]
+  empty = drafter.empty_cache(1, 1)
+  mask = jnp.asarray(reference_slot_mask(n, n, 3))[None]
+  g, _ = drafter.apply(x, positions, mask, empty)
+  logp_ref = jax.nn.log_softmax(target.logits(g[:, n - 1 :]), axis=-1)
+  a = pool.arrays
+  expected_logp = logp_ref[0, a.depth[1:] - 1]
+  expected_tokens = jnp.argsort(-expected_logp, axis=-1)[np.arange(7), a.rank[1:]]
+  assert tokens[0, 1:].tolist() == expected_tokens.tolist()
+  np.testing.assert_allclose(logp[0, 1:], expected_logp[np.arange(7), expected_tokens], atol=1e-5)
+
+
+def test_pld_proposes_the_continuation_of_the_longest_recent_match():
+  tokens = jnp.asarray([[1, 2, 3, 9, 1, 2, 3, 4, 5, 7, 2, 3, 0, 0]])
+  # Suffix (2, 3) -> the most recent earlier "2 3" is at 5..6, followed by 4 5 7 2.
+  out, ok = drafter_lib.pld_candidates(tokens, jnp.asarray([12]), 4, max_ngram=3)
+  assert out.tolist() == [[4, 5, 7, 2]] and ok.tolist() == [[True] * 4]
+  # Suffix "7 2 3" as a 3-gram never occurred before; "2 3" did -> the 2-gram wins.
+  tokens = jnp.asarray([[1, 2, 3, 8, 6, 6, 7, 2, 3, 0]])
+  out, ok = drafter_lib.pld_candidates(tokens, jnp.asarray([9]), 4, max_ngram=3)
+  assert out[0, :4].tolist() == [8, 6, 6, 7] and ok.tolist() == [[True] * 4]
+  # No match at all, and a continuation that runs into unknown tokens.
+  out, ok = drafter_lib.pld_candidates(jnp.asarray([[4, 5, 6, 7]]), jnp.asarray([4]), 2, 2)
+  assert ok.tolist() == [[False, False]]
+  out, ok = drafter_lib.pld_candidates(jnp.asarray([[4, 5, 4, 0]]), jnp.asarray([3]), 3, 2)
+  assert out[0, :1].tolist() == [5] and ok.tolist() == [[True, True, False]]
+
+
+def test_bad_input_is_one_clear_error(target):
+  tokens, lengths = padded(PROMPTS)
+  pspec = drafter_for("pspec", target, num_draft=3)
+  with pytest.raises(ValueError, match="unknown tree 'bushy'"):
+    decode.generate(
+      target, tokens, lengths, jax.random.key(0), decode.DecodeConfig(tree="bushy"), pspec
+    )
+  with pytest.raises(ValueError, match="proposes at most K=3"):
+    cfg = decode.DecodeConfig(num_draft=5)
+    decode.generate(target, tokens, lengths, jax.random.key(0), cfg, pspec)
+  with pytest.raises(ValueError, match="tree depth 3 = 35 does not fit the cache of 34"):
+    cfg = decode.DecodeConfig(max_new_tokens=16, max_len=34)
+    decode.generate(target, tokens, lengths, jax.random.key(0), cfg, pspec)
+  other = make_target(1.0, cfg=TINY.replace(name="other", vocab_size=24))
+  with pytest.raises(ValueError, match="built for target 'tiny'"):
+    decode.generate(other, tokens, lengths, jax.random.key(0), decode.DecodeConfig(), pspec)
