@@ -304,3 +304,15 @@ def test_bad_input_is_one_clear_error(target):
   other = make_target(1.0, cfg=TINY.replace(name="other", vocab_size=24))
   with pytest.raises(ValueError, match="built for target 'tiny'"):
     decode.generate(other, tokens, lengths, jax.random.key(0), decode.DecodeConfig(), pspec)
+
+
+def test_generate_under_a_users_jit_with_batch_sharded_inputs(target):
+  mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  tokens, lengths = padded(PROMPTS)
+  cfg = decode.DecodeConfig(max_new_tokens=12, tree="sparse8")
+  drafter = drafter_for("medusa", target)
+  fn = jax.jit(lambda t, d, x, n: decode.generate(t, x, n, jax.random.key(0), cfg, d).tokens)
+  sharded = fn(target, drafter, jax.device_put(tokens, rows), jax.device_put(lengths, rows))
+  plain = decode.generate(target, tokens, lengths, jax.random.key(0), cfg)
+  assert sharded.tolist() == plain.tokens.tolist()
