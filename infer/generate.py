@@ -49,6 +49,7 @@ def run() -> None:
   import transformers
 
   from pspec_jax import checkpoints, data, decode, drafter_files
+  from pspec_jax import tree as tree_lib
   from pspec_jax.sampling import SamplingConfig
 
   transformers.logging.set_verbosity_error()
@@ -56,6 +57,11 @@ def run() -> None:
   if FLAGS.batch_size < 1:
     raise ValueError(f"--batch_size must be >= 1, got {FLAGS.batch_size}")
   prompts = _prompts()
+  # Flag errors first: they need no model.
+  if FLAGS.method in ("pspec", "eagle", "medusa") and not FLAGS.drafter:
+    raise ValueError(f"--method={FLAGS.method} needs --drafter (a drafter directory, or random)")
+  if FLAGS.tree:
+    tree_lib.parse(FLAGS.tree, FLAGS.num_draft or 8)
   tokenizer = checkpoints.load_tokenizer(FLAGS.target)
   chat = FLAGS.chat if FLAGS.chat is not None else tokenizer.chat_template is not None
   encoded = [data.encode_prompt(tokenizer, p, chat) for p in prompts]

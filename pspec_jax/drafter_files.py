@@ -20,14 +20,14 @@ from pspec_jax.llama import RopeScaling, Target
 FORMAT_VERSION = 1
 CONFIG_FILE = "drafter.json"
 PARAMS_FILE = "drafter.safetensors"
-_LAYER_FIELDS = (
-  "num_heads",
-  "num_kv_heads",
-  "head_dim",
-  "intermediate_size",
-  "rope_theta",
-  "rms_norm_eps",
-)
+_LAYER_FIELDS = {  # name -> type
+  "num_heads": int,
+  "num_kv_heads": int,
+  "head_dim": int,
+  "intermediate_size": int,
+  "rope_theta": float,
+  "rms_norm_eps": float,
+}
 
 
 def save_drafter(directory: str, drafter: Drafter, extra: dict | None = None) -> None:
@@ -63,32 +63,35 @@ def load_drafter(directory: str, target: Target) -> Drafter:
   try:
     with open(config_path) as fh:
       config = json.load(fh)
-    kind, identity, layer = config["kind"], config["target"], dict(config.get("layer", {}))
+    identity = config["target"]
+    identity = (identity["name"], identity["vocab_size"], identity["hidden_size"])
   except (ValueError, KeyError, TypeError) as e:
-    raise ValueError(f"corrupt drafter config {config_path}: {e}") from None
-  t = target.cfg
-  if (identity.get("name"), identity.get("vocab_size"), identity.get("hidden_size")) != (
-    t.name,
-    t.vocab_size,
-    t.hidden_size,
-  ):
+    raise ValueError(f"corrupt drafter config {config_path}: {e!r}") from None
+  if config.get("format_version", 1) > FORMAT_VERSION:
     raise ValueError(
-      f"the drafter in {directory} was built for target {identity.get('name')!r} (vocab "
-      f"{identity.get('vocab_size')}, width {identity.get('hidden_size')}), not for {t.name!r} "
-      f"(vocab {t.vocab_size}, width {t.hidden_size})"
+      f"drafter {directory} has format version {config['format_version']}; this pspec_jax "
+      f"reads up to {FORMAT_VERSION}: upgrade pspec_jax"
     )
-  if kind not in KINDS:
-    raise ValueError(f"drafter in {directory} has unknown kind {kind!r}")
-  scaling = layer.pop("rope_scaling", None)
-  cfg = DrafterConfig.for_target(
-    kind,
-    t,
-    num_draft=int(config.get("num_draft", 1)),
-    tree=config.get("tree", "chain"),
-    max_ngram=int(config.get("max_ngram", 3)),
-    rope_scaling=None if scaling is None else RopeScaling(**scaling),
-    **{f: layer[f] for f in _LAYER_FIELDS if f in layer},
-  )
+  t = target.cfg
+  if identity != (t.name, t.vocab_size, t.hidden_size):
+    raise ValueError(
+      f"the drafter in {directory} was built for target {identity[0]!r} (vocab {identity[1]}, "
+      f"width {identity[2]}), not for {t.name!r} (vocab {t.vocab_size}, width {t.hidden_size})"
+    )
+  try:
+    layer = dict(config.get("layer", {}))
+    scaling = layer.pop("rope_scaling", None)
+    cfg = DrafterConfig.for_target(
+      config["kind"],
+      t,
+      num_draft=int(config.get("num_draft", 1)),
+      tree=str(config.get("tree", "chain")),
+      max_ngram=int(config.get("max_ngram", 3)),
+      rope_scaling=None if scaling is None else RopeScaling(**scaling),
+      **{f: kind(layer[f]) for f, kind in _LAYER_FIELDS.items() if f in layer},
+    )
+  except (ValueError, KeyError, TypeError, AttributeError) as e:
+    raise ValueError(f"corrupt drafter config {config_path}: {e}") from None
   expected = traverse_util.flatten_dict(
     jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))), sep="/"
   )
@@ -114,10 +117,12 @@ def resolve_drafter(
     seed: seeds a random drafter.
     num_draft: K of a random or pld drafter (a saved drafter keeps its own).
   """
+  if method not in ("none", *KINDS):
+    raise ValueError(f"unknown method {method!r}: use none or one of {', '.join(KINDS)}")
+  if method in ("none", "pld") and spec:
+    raise ValueError(f"--method={method} takes no --drafter")
   if method == "none":
     return None
-  if method not in KINDS:
-    raise ValueError(f"unknown method {method!r}: use none or one of {', '.join(KINDS)}")
   if method == "pld":
     cfg = DrafterConfig.for_target("pld", target.cfg, num_draft=num_draft)
     return Drafter(cfg=cfg, params={})

@@ -53,6 +53,12 @@ def test_mt_bench_questions_are_read_first_turn():
     (["--prompt=hi", "--target=missing.gguf"], "error: GGUF file not found"),
     (["--prompt=hi", "--prompts=p.jsonl"], "error: give exactly one of --prompt and --prompts"),
     (["--prompt=" + "hello " * 9000], "error: prompt width"),
+    (["--prompt=hi", "--method=pspec"], "error: --method=pspec needs --drafter"),
+    (
+      ["--prompt=hi", "--method=eagle", "--drafter=random", "--tree=bushy"],
+      "error: unknown tree 'bushy'",
+    ),
+    (["--prompt=hi", "--method=pspec", "--drafter=/nonexistent"], "error: drafter not found"),
   ],
 )
 def test_bad_input_is_one_clear_line(flags, message):
@@ -69,3 +75,23 @@ def test_corrupt_checkpoint_is_one_clear_line(tmp_path):
   result = run_cli("--prompt=hi", f"--target={bad}")
   assert result.returncode != 0 and "Traceback" not in result.stderr
   assert result.stderr.strip().startswith("error: ")
+
+
+def test_prompt_lookup_through_the_cli_is_lossless(tmp_path):
+  """pld drafts accepted (tau > 1) and the tokens of plain greedy decoding, prompt for prompt."""
+  prompts = tmp_path / "prompts.jsonl"
+  lines = ["Repeat the word apple ten times.", "Count from 1 to 20."]
+  prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in lines))
+  runs = {}
+  for method in ("pld", "none"):
+    flags = [f"--prompts={prompts}", "--batch_size=2", "--max_new_tokens=24", "--json"]
+    result = run_cli(*flags, f"--method={method}")
+    assert result.returncode == 0, result.stderr
+    runs[method] = [json.loads(line) for line in result.stdout.splitlines()]
+  for pld, plain in zip(runs["pld"], runs["none"], strict=True):
+    assert pld["prompt"] == plain["prompt"]
+    assert pld["tokens"] == plain["tokens"] and pld["num_tokens"] <= 24
+    assert plain["tau"] == 1 and plain["rounds"] == plain["num_tokens"] - 1
+    assert pld["tau"] >= 1 and 1 <= pld["rounds"] <= plain["rounds"]
+    assert pld["tau"] * pld["rounds"] == pytest.approx(pld["num_tokens"] - 1, abs=0.01)
+  assert any(r["tau"] > 1 for r in runs["pld"])

@@ -5,50 +5,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.stats
+from tiny_models import PROMPTS, TINY, drafter_for, make_target, padded
 
-from pspec_jax import decode, llama
+from pspec_jax import decode
 from pspec_jax import drafter as drafter_lib
 from pspec_jax import tree as tree_lib
 from pspec_jax.sampling import SamplingConfig
 
-# A small vocabulary makes random drafters right now and then, so acceptance paths run.
-TINY = llama.LlamaConfig(
-  name="tiny",
-  vocab_size=16,
-  hidden_size=32,
-  intermediate_size=48,
-  num_layers=2,
-  num_heads=4,
-  num_kv_heads=2,
-  max_position_embeddings=256,
-)
-PROMPTS = [[5, 9, 2, 13, 7], [1, 2], [10, 11, 12, 13, 14, 15, 3, 4, 8], [6]]
 KINDS = ("pspec", "eagle", "medusa", "pld")
-
-
-def make_target(scale, seed=0, cfg=TINY):
-  params = llama.init_params(cfg, jax.random.key(seed))
-  params = jax.tree.map(lambda x: x * scale if x.ndim > 2 else x, params)
-  return llama.Target(cfg=cfg, params=params).with_scan_layers(False)
 
 
 @pytest.fixture(scope="module")
 def target():
   return make_target(5.0)
-
-
-def padded(prompts, width=16):
-  tokens = np.zeros((len(prompts), width), np.int32)
-  for row, p in enumerate(prompts):
-    tokens[row, : len(p)] = p
-  return jnp.asarray(tokens), jnp.asarray([len(p) for p in prompts], jnp.int32)
-
-
-def drafter_for(kind, target, num_draft=4, seed=1):
-  if kind == "pld":
-    cfg = drafter_lib.DrafterConfig.for_target("pld", target.cfg, num_draft=num_draft)
-    return drafter_lib.Drafter(cfg=cfg, params={})
-  return drafter_lib.random_drafter(kind, target, jax.random.key(seed), num_draft=num_draft)
 
 
 @pytest.mark.parametrize("kind", KINDS)

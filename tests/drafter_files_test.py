@@ -1,0 +1,230 @@
+"""Drafter files: save/load round trips for every kind, one clear error per bad file, and the
+command line's `resolve_drafter`."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import traverse_util
+from safetensors.numpy import load_file, save_file
+from tiny_models import PROMPTS, TINY, make_target, padded
+
+from pspec_jax import decode, drafter_files, llama
+from pspec_jax import drafter as drafter_lib
+
+
+@pytest.fixture(scope="module")
+def target():
+  return make_target(5.0)
+
+
+# Every kind, with settings away from the defaults so that a field dropped on the way shows.
+SETTINGS = {
+  "pspec": dict(
+    num_draft=3,
+    tree="sparse6",
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=8,
+    intermediate_size=24,
+    rope_theta=500.0,
+    rope_scaling=llama.RopeScaling(
+      factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64
+    ),
+    rms_norm_eps=1e-6,
+  ),
+  "eagle": dict(num_draft=3, tree="dynamic:5"),
+  "medusa": dict(num_draft=4, tree="sparse8"),
+  "pld": dict(num_draft=5, tree="chain", max_ngram=4),
+}
+
+
+def make_drafter(kind, target, seed=1):
+  cfg = drafter_lib.DrafterConfig.for_target(kind, target.cfg, **SETTINGS[kind])
+  return drafter_lib.Drafter(cfg=cfg, params=drafter_lib.init_params(cfg, jax.random.key(seed)))
+
+
+def flat(params):
+  return traverse_util.flatten_dict(jax.device_get(params), sep="/")
+
+
+@pytest.mark.parametrize("kind", drafter_lib.KINDS)
+def test_save_then_load_round_trips(target, tmp_path, kind):
+  drafter = make_drafter(kind, target)
+  drafter_files.save_drafter(str(tmp_path), drafter)
+  loaded = drafter_files.load_drafter(str(tmp_path), target)
+  assert loaded.cfg == drafter.cfg
+  original, restored = flat(drafter.params), flat(loaded.params)
+  assert restored.keys() == original.keys()
+  assert (len(original) == 0) == (kind == "pld")
+  for name, value in original.items():
+    assert restored[name].dtype == value.dtype, name
+    np.testing.assert_array_equal(restored[name], value, err_msg=name)
+  # Greedy output is the target's whatever the drafter; rounds and acceptance are the drafter's.
+  cfg = decode.DecodeConfig(max_new_tokens=12)
+  tokens, lengths = padded(PROMPTS)
+  want = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter)
+  got = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, loaded)
+  for field in ("tokens", "lengths", "rounds", "accepted_per_depth"):
+    assert getattr(got, field).tolist() == getattr(want, field).tolist(), field
+
+
+def test_json_records_kind_draft_length_tree_and_target(target, tmp_path):
+  drafter_files.save_drafter(str(tmp_path), make_drafter("medusa", target), extra={"steps": 7})
+  with open(tmp_path / drafter_files.CONFIG_FILE) as fh:
+    config = json.load(fh)
+  assert config["kind"] == "medusa"
+  assert config["num_draft"] == 4
+  assert config["tree"] == "sparse8"
+  assert config["target"] == {"name": "tiny", "vocab_size": 16, "hidden_size": 32}
+  assert config["steps"] == 7
+  with open(tmp_path / drafter_files.PARAMS_FILE, "rb") as fh:
+    assert fh.read(8)  # the params file exists and is not empty
+
+
+# --- bad files -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def saved(target, tmp_path):
+  """A saved pspec drafter (K=4): its directory."""
+  drafter = drafter_lib.random_drafter("pspec", target, jax.random.key(1), num_draft=4)
+  drafter_files.save_drafter(str(tmp_path), drafter)
+  return tmp_path
+
+
+@pytest.mark.parametrize(
+  "changes", [dict(name="other"), dict(vocab_size=24), dict(hidden_size=48, num_heads=6)]
+)
+def test_loading_for_another_target_is_refused(saved, changes):
+  # Only the target's config is read: abstract parameters will do.
+  cfg = TINY.replace(**changes)
+  other = llama.Target(
+    cfg=cfg, params=jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0)))
+  )
+  with pytest.raises(ValueError, match="built for target 'tiny'"):
+    drafter_files.load_drafter(str(saved), other)
+
+
+def test_missing_directory(target, tmp_path):
+  with pytest.raises(ValueError, match="drafter not found"):
+    drafter_files.load_drafter(str(tmp_path / "nowhere"), target)
+
+
+@pytest.mark.parametrize("text", ['{"kind": "pspec", ', "[1, 2]", '{"kind": "pspec"}', ""])
+def test_corrupt_json(saved, target, text):
+  (saved / drafter_files.CONFIG_FILE).write_text(text)
+  with pytest.raises(ValueError, match="corrupt drafter config"):
+    drafter_files.load_drafter(str(saved), target)
+
+
+def rewrite_params(directory, change):
+  path = str(directory / drafter_files.PARAMS_FILE)
+  tensors = load_file(path)
+  change(tensors)
+  save_file(tensors, path)
+
+
+def test_wrong_shaped_tensor(saved, target):
+  rewrite_params(saved, lambda t: t.update(fuse=np.zeros((64, 31), np.float32)))
+  with pytest.raises(ValueError, match=r"tensor fuse should be \(64, 32\), found \(64, 31\)"):
+    drafter_files.load_drafter(str(saved), target)
+
+
+def test_missing_tensor(saved, target):
+  rewrite_params(saved, lambda t: t.pop("block/attn/q"))
+  with pytest.raises(ValueError, match="tensor block/attn/q should be .*, found nothing"):
+    drafter_files.load_drafter(str(saved), target)
+
+
+def test_draft_length_that_does_not_match_the_tensors(saved, target):
+  # K=6 needs 5 mask vectors; the file holds the 3 of K=4.
+  config = json.loads((saved / drafter_files.CONFIG_FILE).read_text())
+  (saved / drafter_files.CONFIG_FILE).write_text(json.dumps(config | {"num_draft": 6}))
+  with pytest.raises(ValueError, match=r"tensor mask_slots should be \(5, 32\), found \(3, 32\)"):
+    drafter_files.load_drafter(str(saved), target)
+
+
+def test_truncated_safetensors(saved, target):
+  path = saved / drafter_files.PARAMS_FILE
+  data = path.read_bytes()
+  for size in (len(data) - 100, 20, 4):  # tensor data, header, header length cut short
+    path.write_bytes(data[:size])
+    with pytest.raises(ValueError, match="corrupt safetensors"):
+      drafter_files.load_drafter(str(saved), target)
+
+
+# --- resolve_drafter -------------------------------------------------------------------------
+
+
+def test_resolve_none_and_pld(target):
+  assert drafter_files.resolve_drafter("none", None, target) is None
+  pld = drafter_files.resolve_drafter("pld", None, target, num_draft=6)
+  assert (pld.cfg.kind, pld.cfg.num_draft, pld.params) == ("pld", 6, {})
+  with pytest.raises(ValueError, match="unknown method 'beam'"):
+    drafter_files.resolve_drafter("beam", None, target)
+
+
+@pytest.mark.parametrize("spec", [None, ""])
+def test_resolve_needs_a_drafter(target, spec):
+  with pytest.raises(ValueError, match="--method=pspec needs --drafter"):
+    drafter_files.resolve_drafter("pspec", spec, target)
+
+
+def test_resolve_random_is_seeded(target):
+  def params(seed, kind="eagle"):
+    drafter = drafter_files.resolve_drafter(kind, "random", target, seed=seed, num_draft=3)
+    assert (drafter.cfg.kind, drafter.cfg.num_draft) == (kind, 3)
+    return flat(drafter.params)
+
+  first, again, other = params(0), params(0), params(1)
+  for name in first:
+    np.testing.assert_array_equal(first[name], again[name], err_msg=name)
+  # Norm scales start at one whatever the seed; the random matrices differ.
+  differs = {name for name in first if not np.array_equal(first[name], other[name])}
+  assert {"fuse", "block/attn/q", "block/attn/o", "block/mlp/down"} <= differs
+  # Another kind from the same seed has its own parameters.
+  assert params(0, "pspec").keys() == first.keys() | {"mask_slots"}
+
+
+def test_resolve_a_saved_drafter_checks_its_kind(target, tmp_path):
+  eagle = make_drafter("eagle", target)
+  drafter_files.save_drafter(str(tmp_path), eagle)
+  loaded = drafter_files.resolve_drafter("eagle", str(tmp_path), target, num_draft=7)
+  assert loaded.cfg == eagle.cfg  # a saved drafter keeps its own K
+  with pytest.raises(ValueError, match="is a eagle drafter, not pspec"):
+    drafter_files.resolve_drafter("pspec", str(tmp_path), target)
+
+
+@pytest.mark.parametrize(
+  "edit",
+  [
+    lambda c: c.update(target=5),
+    lambda c: c["layer"].update(rope_scaling={"factor": 8.0}),
+    lambda c: c["layer"].update(num_heads="four"),
+    lambda c: c.update(num_draft="x"),
+  ],
+)
+def test_corrupt_fields_are_one_clear_error(target, tmp_path, edit):
+  drafter_files.save_drafter(
+    str(tmp_path), drafter_lib.random_drafter("pspec", target, jax.random.key(1))
+  )
+  path = tmp_path / "drafter.json"
+  config = json.loads(path.read_text())
+  edit(config)
+  path.write_text(json.dumps(config))
+  with pytest.raises(ValueError, match="corrupt drafter config"):
+    drafter_files.load_drafter(str(tmp_path), target)
+
+
+def test_newer_format_and_a_drafter_for_pld_are_errors(target, tmp_path):
+  drafter_files.save_drafter(
+    str(tmp_path), drafter_lib.random_drafter("medusa", target, jax.random.key(1))
+  )
+  path = tmp_path / "drafter.json"
+  path.write_text(json.dumps(json.loads(path.read_text()) | {"format_version": 99}))
+  with pytest.raises(ValueError, match="format version 99"):
+    drafter_files.load_drafter(str(tmp_path), target)
+  with pytest.raises(ValueError, match="--method=pld takes no --drafter"):
+    drafter_files.resolve_drafter("pld", str(tmp_path), target)
