@@ -113,9 +113,8 @@ def run():
   print("| method | rounds | draft ms | verify ms | accept+commit ms | draft / verify / a+c |")
   print("|---|---|---|---|---|---|")
   for method in FLAGS.methods:
-    drafter = drafter_files.resolve_drafter(
-      method, FLAGS.drafter, target, num_draft=FLAGS.num_draft
-    )
+    spec = None if method in ("none", "pld") else FLAGS.drafter
+    drafter = drafter_files.resolve_drafter(method, spec, target, num_draft=FLAGS.num_draft)
     ms, rounds = phase_split(target, drafter, encoded, cfg)
     total = sum(ms.values())
     shares = " / ".join(f"{100 * ms[k] / total:.0f}%" for k in ms)

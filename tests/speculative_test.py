@@ -34,6 +34,15 @@ def test_greedy_speculative_equals_plain_greedy(target, kind, tree):
   np.testing.assert_allclose(spec.tau * spec.rounds, spec.lengths - 1, rtol=1e-6)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_speculative_equals_plain_greedy_for_one_sequence(target, kind):
+  tokens, lengths = padded(PROMPTS[2:3], width=9)
+  cfg = decode.DecodeConfig(max_new_tokens=20, tree="sparse8")
+  plain = decode.generate(target, tokens, lengths, jax.random.key(0), cfg)
+  spec = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter_for(kind, target))
+  assert spec.tokens.tolist() == plain.tokens.tolist()
+
+
 def test_eos_inside_an_accepted_path_cuts_the_round(target):
   tokens, lengths = padded(PROMPTS)
   cfg = decode.DecodeConfig(max_new_tokens=30)
