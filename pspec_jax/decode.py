@@ -27,7 +27,7 @@ from flax import struct
 
 from pspec_jax import tree as tree_lib
 from pspec_jax.accept import accept
-from pspec_jax.drafter import Drafter, Pairs, propose
+from pspec_jax.drafter import Drafter, Pairs, propose, take_rows
 from pspec_jax.kv_cache import KVCache
 from pspec_jax.llama import Target
 from pspec_jax.sampling import SamplingConfig, select
@@ -126,12 +126,6 @@ def _is_eos(tokens: jax.Array, cfg: DecodeConfig) -> jax.Array:
   return jnp.isin(tokens, jnp.asarray(cfg.eos_ids, jnp.int32))
 
 
-def _take_nodes(x_BM, index_BP):
-  """x[b, index[b, p]] along the node axis (axis 1), any trailing dims."""
-  index = index_BP.reshape(index_BP.shape + (1,) * (x_BM.ndim - 2))
-  return jnp.take_along_axis(x_BM, index, axis=1)
-
-
 def init(
   target: Target,
   prompt_tokens: jax.Array,
@@ -216,7 +210,7 @@ def commit(
     cfg.sampling,
   )
   # New tokens x_{n+2}..: the accepted drafts below the root, then the bonus.
-  drafts = _take_nodes(verified.node_tokens, path)[:, 1:]
+  drafts = take_rows(verified.node_tokens, path)[:, 1:]
   new = jnp.concatenate([drafts, jnp.zeros((batch, 1), jnp.int32)], axis=1)
   new = new.at[rows, num_accepted].set(bonus)
   index = jnp.arange(depth + 1)[None, :]
@@ -240,7 +234,7 @@ def commit(
     accepted=state.accepted + (jnp.arange(depth)[None, :] < kept[:, None] - 1),
     done=state.done | (active & finished),
   )
-  pairs = Pairs(tokens=new, features=_take_nodes(verified.features, path), count=kept)
+  pairs = Pairs(tokens=new, features=take_rows(verified.features, path), count=kept)
   return state, pairs
 
 

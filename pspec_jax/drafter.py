@@ -236,9 +236,14 @@ class Pairs:
   count: jax.Array  # [B] valid pairs (the last one holds the bonus token)
 
   def last(self, x_BR):
-    """The entry of the last valid pair, per sequence."""
-    index = jnp.maximum(self.count - 1, 0)[:, None]
-    return jnp.take_along_axis(x_BR, index.reshape(index.shape + (1,) * (x_BR.ndim - 2)), axis=1)
+    """The entry of the last valid pair, per sequence: [B, 1, ...]."""
+    return take_rows(x_BR, jnp.maximum(self.count - 1, 0)[:, None])
+
+
+def take_rows(x_BM, index_BP):
+  """x[b, index[b, p]] along axis 1, any trailing dims."""
+  index = index_BP.reshape(index_BP.shape + (1,) * (x_BM.ndim - 2))
+  return jnp.take_along_axis(x_BM, index, axis=1)
 
 
 def pspec_mask(count_B: jax.Array, num_real: int, num_slots: int) -> jax.Array:
