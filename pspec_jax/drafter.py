@@ -154,6 +154,28 @@ class FeatureDrafter(nn.Module):
     x_BTD, (k, v) = self.block(x_BTD, layer_kv, positions_BT, mask_BTT, cache.lengths)
     return self.norm(x_BTD), (k[None], v[None])
 
+  def train_forward(self, embeds_BTD, features_BTD, slots=None):
+    """The training layout: real pairs at positions 0..T-1, causal, then mask-slot groups.
+
+    Args:
+      embeds_BTD, features_BTD: pair t is (embed(x[t+1]), f[t]).
+      slots: a `losses.SlotLayout` (pspec), or None for the real pairs alone (eagle).
+
+    Returns:
+      (g_BTD, g_BAPD or None): normed drafter features of the pairs and of the slots.
+    """
+    u = self.pairs(embeds_BTD, features_BTD)
+    b, t = u.shape[:2]
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), jnp.bool_)), (b, t, t))
+    x, kv = self.block(u, None, positions, causal, None)
+    if slots is None:
+      return self.norm(x), None
+    a, p = slots.positions.shape[1:]
+    m = jnp.broadcast_to(self.slots()[:p], (b, a, p, u.shape[-1]))
+    y = self.block.grouped(m, slots.positions, kv, slots.visible)
+    return self.norm(x), self.norm(y)
+
   def init_all(self, features_BTD):
     """Touches every parameter (for `init`)."""
     u = self.pairs(features_BTD, features_BTD)
@@ -184,16 +206,19 @@ def module(cfg: DrafterConfig) -> nn.Module:
   return MedusaHeads(cfg) if cfg.kind == "medusa" else FeatureDrafter(cfg)
 
 
-def init_params(cfg: DrafterConfig, key: jax.Array) -> dict:
-  """Random parameters (an untrained drafter); `pld` has none."""
+def init_boxed(cfg: DrafterConfig, key: jax.Array) -> dict:
+  """Random parameters, each boxed with its logical axis names; `pld` has none."""
   if cfg.kind == "pld":
     return {}
   features = jnp.zeros((1, 1, cfg.hidden_size), cfg.dtype)
   if cfg.kind == "medusa":
-    variables = MedusaHeads(cfg).init(key, features[:, 0])
-  else:
-    variables = FeatureDrafter(cfg).init(key, features, method=FeatureDrafter.init_all)
-  return nn.meta.unbox(variables)["params"]
+    return MedusaHeads(cfg).init(key, features[:, 0])["params"]
+  return FeatureDrafter(cfg).init(key, features, method=FeatureDrafter.init_all)["params"]
+
+
+def init_params(cfg: DrafterConfig, key: jax.Array) -> dict:
+  """Random parameters (an untrained drafter); `pld` has none."""
+  return nn.meta.unbox(init_boxed(cfg, key))
 
 
 @struct.dataclass

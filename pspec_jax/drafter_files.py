@@ -2,7 +2,7 @@
 
 The JSON records the drafter's kind, K, tree preset, layer widths and the identity of the
 target it was built for (name, vocab size, feature width); loading it against another target
-is one clear error. Parameters are stored flat (`block/attn/q`, ...) in float32.
+is one clear error. Parameters are stored flat (`block/attn/q`, ...), in float32 or bfloat16.
 """
 
 import json
@@ -30,8 +30,14 @@ _LAYER_FIELDS = {  # name -> type
 }
 
 
-def save_drafter(directory: str, drafter: Drafter, extra: dict | None = None) -> None:
-  """Writes the drafter's config and parameters (plus `extra` notes in the JSON)."""
+def save_drafter(
+  directory: str, drafter: Drafter, extra: dict | None = None, dtype=np.float32
+) -> None:
+  """Writes the drafter's config and parameters (plus `extra` notes in the JSON).
+
+  `dtype` is the storage type of the parameters (e.g. `ml_dtypes.bfloat16` to halve the file);
+  they are loaded back in the drafter's own `param_dtype`.
+  """
   from safetensors.numpy import save_file
 
   cfg = drafter.cfg
@@ -48,7 +54,7 @@ def save_drafter(directory: str, drafter: Drafter, extra: dict | None = None) ->
   os.makedirs(directory, exist_ok=True)
   flat = traverse_util.flatten_dict(jax.device_get(drafter.params), sep="/")
   save_file(
-    {k: np.ascontiguousarray(v, np.float32) for k, v in flat.items()},
+    {k: np.ascontiguousarray(np.asarray(v, np.float32).astype(dtype)) for k, v in flat.items()},
     os.path.join(directory, PARAMS_FILE),
   )
   with open(os.path.join(directory, CONFIG_FILE), "w") as fh:
@@ -101,7 +107,7 @@ def load_drafter(directory: str, target: Target) -> Drafter:
     if name not in stored or tuple(stored[name].shape) != spec.shape:
       got = stored[name].shape if name in stored else "nothing"
       raise ValueError(f"drafter {directory}: tensor {name} should be {spec.shape}, found {got}")
-    params[name] = jnp.asarray(np.asarray(stored[name]), cfg.param_dtype)
+    params[name] = jnp.asarray(np.asarray(stored[name], np.float32), cfg.param_dtype)
   return Drafter(cfg=cfg, params=traverse_util.unflatten_dict(params, sep="/"))
 
 

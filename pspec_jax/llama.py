@@ -112,7 +112,7 @@ def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
 def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray) -> jax.Array:
   """Rotates q or k by position, HF "rotate half" layout. Angles in float32 for accuracy."""
   freqs_BTh = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
-  angles_BTH = jnp.concatenate([freqs_BTh, freqs_BTh], axis=-1)[:, :, None, :]
+  angles_BTH = jnp.concatenate([freqs_BTh, freqs_BTh], axis=-1)[..., None, :]
   cos, sin = jnp.cos(angles_BTH), jnp.sin(angles_BTH)
   x = x_BTNH.astype(jnp.float32)
   x1, x2 = jnp.split(x, 2, axis=-1)
@@ -139,57 +139,120 @@ class RMSNorm(nn.Module):
     return (scale.astype(jnp.float32) * x32).astype(self.cfg.dtype)
 
 
+def _cache_scores(q_BTKGH, k_BSKH):
+  """q . k over cache slots: [B, T, K, G, S], reading the cache in its stored layout.
+
+  A dot with (B, K) as batch dimensions makes XLA transpose every layer's cache slice to
+  [B, K, S, H] first, a full copy per step that cost more than the weights at batch 8. Here
+  each query is spread over all K*H columns with zeros outside its own head (K times the
+  flops, nothing next to the weights at decode sizes), so the cache is read as a plain
+  [B, S, K*H] matrix.
+  """
+  b, t, k, g, h = q_BTKGH.shape
+  own = jnp.eye(k, dtype=q_BTKGH.dtype)
+  q_BQC = jnp.einsum("BTKGH,KJ->BTKGJH", q_BTKGH, own).reshape(b, t * k * g, k * h)
+  k_BSC = k_BSKH.reshape(b, k_BSKH.shape[1], k * h)
+  scores = jnp.einsum("BQC,BSC->BQS", q_BQC, k_BSC, preferred_element_type=jnp.float32)
+  return scores.reshape(b, t, k, g, -1)
+
+
+def _cache_values(probs_BTKGS, v_BSKH):
+  """probs . v over cache slots: [B, T, K, G, H], the cache read as [B, S, K*H] (see above)."""
+  b, t, k, g, s = probs_BTKGS.shape
+  h = v_BSKH.shape[-1]
+  out = jnp.einsum(
+    "BQS,BSC->BQC", probs_BTKGS.reshape(b, t * k * g, s), v_BSKH.reshape(b, s, k * h)
+  )
+  own = jnp.eye(k, dtype=out.dtype)
+  return jnp.einsum("BTKGJH,KJ->BTKGH", out.reshape(b, t, k, g, k, h), own)
+
+
 class Attention(nn.Module):
   """Grouped-query attention over cache slots plus the new tokens."""
 
   cfg: LlamaConfig
 
-  @nn.compact
-  def __call__(self, x_BTD, positions_BT, mask_BTT, cache_kv, cache_len_B):
+  def setup(self):
     cfg = self.cfg
     d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     init = nn.initializers.normal(0.02)
     pd = cfg.param_dtype
-    wq = _param(self, "q", init, (d, n, h), ("embed", "q_heads", "head_dim"), pd)
-    wk = _param(self, "k", init, (d, k, h), ("embed", "kv_heads", "head_dim"), pd)
-    wv = _param(self, "v", init, (d, k, h), ("embed", "kv_heads", "head_dim"), pd)
-    wo = _param(self, "o", init, (n, h, d), ("q_heads", "head_dim", "embed"), pd)
-    dt = cfg.dtype
-    x = x_BTD.astype(dt)
-    b, t = x_BTD.shape[:2]
+    self.wq = _param(self, "q", init, (d, n, h), ("embed", "q_heads", "head_dim"), pd)
+    self.wk = _param(self, "k", init, (d, k, h), ("embed", "kv_heads", "head_dim"), pd)
+    self.wv = _param(self, "v", init, (d, k, h), ("embed", "kv_heads", "head_dim"), pd)
+    self.wo = _param(self, "o", init, (n, h, d), ("q_heads", "head_dim", "embed"), pd)
+
+  def _qkv(self, x_XD, positions_X):
+    """q [..., N, H] and k, v [..., K, H] of any leading shape, RoPE applied to q and k."""
+    cfg, dt = self.cfg, self.cfg.dtype
+    d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    x = x_XD.astype(dt)
+    lead = x.shape[:-1]
     # Projections as 2-D matmuls over flattened heads: the reshapes of row-major weights are
     # free, while a two-axis contraction made XLA:CPU copy (transpose) the weight every step.
-    q_BTNH = (x @ wq.reshape(d, n * h).astype(dt)).reshape(b, t, n, h)
-    k_BTKH = (x @ wk.reshape(d, k * h).astype(dt)).reshape(b, t, k, h)
-    v_BTKH = (x @ wv.reshape(d, k * h).astype(dt)).reshape(b, t, k, h)
+    q = (x @ self.wq.reshape(d, n * h).astype(dt)).reshape(*lead, n, h)
+    k_ = (x @ self.wk.reshape(d, k * h).astype(dt)).reshape(*lead, k, h)
+    v = (x @ self.wv.reshape(d, k * h).astype(dt)).reshape(*lead, k, h)
     inv_freq = rope_inv_freq(cfg)
-    q_BTNH = apply_rope(q_BTNH, positions_BT, inv_freq)
-    k_BTKH = apply_rope(k_BTKH, positions_BT, inv_freq)
+    return apply_rope(q, positions_X, inv_freq), apply_rope(k_, positions_X, inv_freq), v
 
+  def _out(self, out_XNH):
+    cfg = self.cfg
+    n, h = cfg.num_heads, cfg.head_dim
+    flat = out_XNH.reshape(*out_XNH.shape[:-2], n * h)
+    return flat @ self.wo.reshape(n * h, cfg.hidden_size).astype(cfg.dtype)
+
+  def __call__(self, x_BTD, positions_BT, mask_BTT, cache_kv, cache_len_B):
+    cfg = self.cfg
+    n, k, h, dt = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype
+    b, t = x_BTD.shape[:2]
+    q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, positions_BT)
     q_BTKGH = q_BTNH.reshape(b, t, k, n // k, h)
     scale = 1.0 / math.sqrt(h)
     # Scores and softmax in float32: bf16 logits lose too much at long contexts.
     f32 = dict(preferred_element_type=jnp.float32)
-    scores = jnp.einsum("BTKGH,BUKH->BKGTU", q_BTKGH, k_BTKH, **f32) * scale
+    scores = jnp.einsum("BTKGH,BUKH->BTKGU", q_BTKGH, k_BTKH, **f32) * scale
     mask_BTU = mask_BTT
     if cache_kv is not None:
       # Keys are [cache slots..., new tokens...]; slot s is visible iff s < cache_len[b].
       k_BSKH, v_BSKH = cache_kv
-      cache_scores = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH, **f32) * scale
+      cache_scores = _cache_scores(q_BTKGH, k_BSKH.astype(dt)) * scale
       visible_BS = jnp.arange(k_BSKH.shape[1])[None, :] < cache_len_B[:, None]
       visible_BTS = jnp.broadcast_to(visible_BS[:, None, :], (b, t, k_BSKH.shape[1]))
       scores = jnp.concatenate([cache_scores, scores], axis=-1)
       mask_BTU = jnp.concatenate([visible_BTS, mask_BTT], axis=-1)
-    scores = jnp.where(mask_BTU[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    scores = jnp.where(mask_BTU[:, :, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
     if cache_kv is not None:
       s = k_BSKH.shape[1]
-      out = jnp.einsum("BKGTS,BSKH->BTKGH", probs[..., :s], v_BSKH.astype(dt))
-      out = out + jnp.einsum("BKGTU,BUKH->BTKGH", probs[..., s:], v_BTKH)
+      out = _cache_values(probs[..., :s], v_BSKH.astype(dt))
+      out = out + jnp.einsum("BTKGU,BUKH->BTKGH", probs[..., s:], v_BTKH)
     else:
-      out = jnp.einsum("BKGTU,BUKH->BTKGH", probs, v_BTKH)
-    out_BTD = out.reshape(b, t, n * h) @ wo.reshape(n * h, d).astype(dt)
-    return out_BTD, (k_BTKH, v_BTKH)
+      out = jnp.einsum("BTKGU,BUKH->BTKGH", probs, v_BTKH)
+    return self._out(out.reshape(b, t, n, h)), (k_BTKH, v_BTKH)
+
+  def grouped(self, x_BAPD, positions_BAP, prefix_kv, prefix_len_BA):
+    """A groups of P queries each: group a sees prefix keys [0, prefix_len[b, a]) and, causally,
+    its own P queries. The training layout of mask slots: cost A*P*(S + P), not (A*P)^2."""
+    cfg = self.cfg
+    n, k, h, dt = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype
+    b, a, p = x_BAPD.shape[:3]
+    q_BAPNH, k_BAPKH, v_BAPKH = self._qkv(x_BAPD, positions_BAP)
+    q_BAPKGH = q_BAPNH.reshape(b, a, p, k, n // k, h)
+    k_BSKH, v_BSKH = prefix_kv
+    scale = 1.0 / math.sqrt(h)
+    f32 = dict(preferred_element_type=jnp.float32)
+    prefix = jnp.einsum("BAPKGH,BSKH->BKGAPS", q_BAPKGH, k_BSKH.astype(dt), **f32) * scale
+    own = jnp.einsum("BAPKGH,BAQKH->BKGAPQ", q_BAPKGH, k_BAPKH, **f32) * scale
+    low = jnp.finfo(jnp.float32).min
+    visible_BAS = jnp.arange(k_BSKH.shape[1]) < prefix_len_BA[..., None]
+    prefix = jnp.where(visible_BAS[:, None, None, :, None, :], prefix, low)
+    own = jnp.where(jnp.tril(jnp.ones((p, p), jnp.bool_)), own, low)
+    probs = jax.nn.softmax(jnp.concatenate([prefix, own], axis=-1), axis=-1).astype(dt)
+    s = k_BSKH.shape[1]
+    out = jnp.einsum("BKGAPS,BSKH->BAPKGH", probs[..., :s], v_BSKH.astype(dt))
+    out = out + jnp.einsum("BKGAPQ,BAQKH->BAPKGH", probs[..., s:], v_BAPKH)
+    return self._out(out.reshape(b, a, p, n, h))
 
 
 class Mlp(nn.Module):
@@ -215,16 +278,25 @@ class Block(nn.Module):
 
   cfg: LlamaConfig
 
-  @nn.compact
+  def setup(self):
+    self.attn_norm = RMSNorm(self.cfg)
+    self.attn = Attention(self.cfg)
+    self.mlp_norm = RMSNorm(self.cfg)
+    self.mlp = Mlp(self.cfg)
+
   def __call__(self, x_BTD, cache_kv, positions_BT, mask_BTT, cache_len_B):
-    cfg = self.cfg
-    h, kv = Attention(cfg, name="attn")(
-      RMSNorm(cfg, name="attn_norm")(x_BTD), positions_BT, mask_BTT, cache_kv, cache_len_B
-    )
+    h, kv = self.attn(self.attn_norm(x_BTD), positions_BT, mask_BTT, cache_kv, cache_len_B)
     x_BTD = x_BTD + h
-    x_BTD = x_BTD + Mlp(cfg, name="mlp")(RMSNorm(cfg, name="mlp_norm")(x_BTD))
+    x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
     x_BTD = nn.with_logical_constraint(x_BTD, ("batch", "length", "embed"))
     return x_BTD, kv
+
+  def grouped(self, x_BAPD, positions_BAP, prefix_kv, prefix_len_BA):
+    """The layer over groups of queries (`Attention.grouped`)."""
+    x_BAPD = x_BAPD + self.attn.grouped(
+      self.attn_norm(x_BAPD), positions_BAP, prefix_kv, prefix_len_BA
+    )
+    return x_BAPD + self.mlp(self.mlp_norm(x_BAPD))
 
 
 class Llama(nn.Module):
@@ -310,8 +382,8 @@ class Llama(nn.Module):
     f = features_BTD.astype(self.cfg.dtype)
     f32 = dict(preferred_element_type=jnp.float32)
     if self.cfg.tie_embeddings:
-      return jnp.einsum("BTD,VD->BTV", f, self.embedding.astype(self.cfg.dtype), **f32)
-    return jnp.einsum("BTD,DV->BTV", f, self.lm_head.astype(self.cfg.dtype), **f32)
+      return jnp.einsum("...D,VD->...V", f, self.embedding.astype(self.cfg.dtype), **f32)
+    return jnp.einsum("...D,DV->...V", f, self.lm_head.astype(self.cfg.dtype), **f32)
 
 
 def stack_layers(layers: list[dict]) -> jax.Array:
@@ -331,11 +403,15 @@ def set_scan_layers(params: dict, num_layers: int, scan: bool) -> dict:
   return params
 
 
+def init_boxed(cfg: LlamaConfig, key: jax.Array) -> dict:
+  """Random parameters, each boxed with its logical axis names."""
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  return Llama(cfg).init(key, tokens, tokens)["params"]
+
+
 def init_params(cfg: LlamaConfig, key: jax.Array) -> dict:
   """Random parameters (plain arrays, logical-axis boxes removed)."""
-  tokens = jnp.zeros((1, 1), jnp.int32)
-  variables = Llama(cfg).init(key, tokens, tokens)
-  return nn.meta.unbox(variables)["params"]
+  return nn.meta.unbox(init_boxed(cfg, key))
 
 
 @struct.dataclass

@@ -1,0 +1,249 @@
+"""Distillation layouts and losses for every drafter kind (DESIGN.md sections 2 and 4).
+
+Tokens x[0..S-1] (0-based); the frozen target gives features f[t] and p_t = softmax(W f[t]/T),
+its distribution over x[t+1]. Each drafter kind turns a batch into *rows*: a draft feature,
+the teacher position whose distribution it is distilled towards, a loss weight and a depth
+(1..K, the draft position it trains). One chunked loss then serves every kind.
+
+- pspec: real pair t = (f[t], x[t+1]) at position t gives g_t -> teacher t+1 (it predicts
+  x[t+2]), depth 1. For a random subsample of A anchors a, mask slot (a, d), d = 1..K-1, at
+  position a + d sees the real pairs <= a and the slots (a, d' <= d) and gives g_{a,d} ->
+  teacher a+d+1 (it predicts x[a+d+2]), depth d+1.
+- eagle: the real pairs alone (depth 1), plus feature regression g_t ~ f[t+1].
+- medusa: head d on f[t] -> teacher t+d (it predicts x[t+d+1]), depth d.
+
+A row's weight is the loss mask of the token it predicts: 1 on assistant tokens within the
+sequence, 0 in the prompt, on padding and past the end.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+DIVERGENCES = ("forward_kl", "reverse_kl", "tvd", "jsd")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossConfig:
+  """How draft rows are compared with the target.
+
+  Attributes:
+    divergence: one of DIVERGENCES (forward KL(p || q) by default).
+    temperature: both distributions are softened by it.
+    feature_weight: weight of the smooth-L1 regression g_t ~ f[t+1] on real pairs.
+    anchors: pspec anchors per sequence with mask slots; 0 means every pair.
+    chunk: rows whose logits are computed at once.
+    remat: recompute each chunk's logits in the backward pass (memory: chunk x vocab floats)
+      instead of keeping the softmaxes of every row (rows x vocab; faster when it fits).
+  """
+
+  divergence: str = "forward_kl"
+  temperature: float = 1.0
+  feature_weight: float = 0.0
+  anchors: int = 64
+  chunk: int = 512
+  remat: bool = True
+
+  def __post_init__(self):
+    if self.divergence not in DIVERGENCES:
+      raise ValueError(
+        f"unknown divergence {self.divergence!r}: use one of {', '.join(DIVERGENCES)}"
+      )
+    if self.temperature <= 0:
+      raise ValueError(f"LossConfig.temperature must be > 0, got {self.temperature}")
+    if self.anchors < 0 or self.chunk < 1:
+      raise ValueError("LossConfig.anchors must be >= 0 and LossConfig.chunk >= 1")
+
+
+@struct.dataclass
+class SlotLayout:
+  """Where pspec's mask slots go in a batch of sequences of S tokens.
+
+  anchors: [B, A] real-pair index a of each group; slots (a, d) sit at positions a + d.
+  positions: [B, A, P] RoPE positions a + d, d = 1..P (P = K - 1).
+  visible: [B, A] real pairs each group sees (those with position <= a, i.e. a + 1).
+  teacher: [B, A, P] teacher position a + d + 1 of every slot.
+  weight: [B, A, P] loss weight: the loss mask of x[a + d + 2].
+  """
+
+  anchors: jax.Array
+  positions: jax.Array
+  visible: jax.Array
+  teacher: jax.Array
+  weight: jax.Array
+
+
+def shifted(x_BS: jax.Array, by: int) -> jax.Array:
+  """y[:, t] = x[:, t + by], zero (False) past the end; any trailing dims."""
+  pad = jnp.zeros((x_BS.shape[0], by, *x_BS.shape[2:]), x_BS.dtype)
+  return jnp.concatenate([x_BS[:, by:], pad], axis=1)
+
+
+def real_weights(loss_mask_BS: jax.Array, depth: int = 1) -> jax.Array:
+  """Weight of the row at t that predicts x[t + depth + 1]."""
+  return shifted(loss_mask_BS, depth + 1).astype(jnp.float32)
+
+
+def slot_layout(loss_mask_BS: jax.Array, num_slots: int, num_anchors: int, key) -> SlotLayout:
+  """Chooses anchors and lays out their mask slots (jittable, shapes static).
+
+  With `num_anchors` = 0 every pair anchors a group. Otherwise `num_anchors` anchors are drawn
+  without replacement, uniformly among those whose first slot has a loss (x[a+3] trained);
+  when there are fewer such anchors, the rest are drawn from the others and carry no loss.
+  """
+  b, s = loss_mask_BS.shape
+  if num_anchors == 0:
+    anchors = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+  else:
+    useful = shifted(loss_mask_BS, 3)
+    score = jax.random.uniform(key, (b, s)) + useful.astype(jnp.float32)
+    anchors = jax.lax.top_k(score, min(num_anchors, s))[1].astype(jnp.int32)
+  d = jnp.arange(1, num_slots + 1, dtype=jnp.int32)
+  positions = anchors[..., None] + d
+  # Slot (a, d) predicts x[a + d + 2]: its weight is that token's loss mask (0 past the end).
+  target_index = positions + 1
+  padded = jnp.concatenate([loss_mask_BS, jnp.zeros((b, 1), loss_mask_BS.dtype)], axis=1)
+  flat = jnp.minimum(target_index + 1, s).reshape(b, -1)
+  weight = jnp.take_along_axis(padded, flat, axis=1).reshape(target_index.shape)
+  return SlotLayout(
+    anchors=anchors,
+    positions=positions,
+    visible=anchors + 1,
+    teacher=jnp.minimum(target_index, s - 1),
+    weight=weight.astype(jnp.float32),
+  )
+
+
+def divergence(name: str, draft_RV: jax.Array, teacher_RV: jax.Array, temperature: float):
+  """Per-row divergence between the teacher distribution p and the draft distribution q."""
+  log_q = jax.nn.log_softmax(draft_RV.astype(jnp.float32) / temperature, axis=-1)
+  log_p = jax.nn.log_softmax(teacher_RV.astype(jnp.float32) / temperature, axis=-1)
+  p, q = jnp.exp(log_p), jnp.exp(log_q)
+  if name == "forward_kl":
+    return jnp.sum(p * (log_p - log_q), axis=-1)
+  if name == "reverse_kl":
+    return jnp.sum(q * (log_q - log_p), axis=-1)
+  if name == "tvd":
+    return 0.5 * jnp.sum(jnp.abs(p - q), axis=-1)
+  log_m = jnp.log(0.5 * (p + q))
+  return 0.5 * jnp.sum(p * (log_p - log_m) + q * (log_q - log_m), axis=-1)
+
+
+def smooth_l1(x, y):
+  diff = jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32))
+  return jnp.mean(jnp.where(diff < 1.0, 0.5 * diff * diff, diff - 0.5), axis=-1)
+
+
+@struct.dataclass
+class Rows:
+  """Draft rows and what they are distilled towards; any leading shape, flattened by `loss`."""
+
+  draft: jax.Array  # [..., D] drafter features (LM-head inputs)
+  teacher: jax.Array  # [..., D] the target's features at the teacher position
+  weight: jax.Array  # [...]
+  depth: jax.Array  # [...] int, 1..K
+
+  @staticmethod
+  def concat(rows: list["Rows"]) -> "Rows":
+    """All rows flattened into one list: [R, D] features, [R] weights and depths."""
+    return Rows(
+      draft=jnp.concatenate([r.draft.reshape(-1, r.draft.shape[-1]) for r in rows]),
+      teacher=jnp.concatenate([r.teacher.reshape(-1, r.teacher.shape[-1]) for r in rows]),
+      weight=jnp.concatenate([r.weight.reshape(-1) for r in rows]),
+      depth=jnp.concatenate([r.depth.reshape(-1) for r in rows]),
+    )
+
+
+def loss(rows: Rows, logits_fn, num_depths: int, cfg: LossConfig):
+  """Weighted mean divergence over rows, and per-depth statistics.
+
+  The LM head runs over `cfg.chunk` rows at a time; under `jax.checkpoint` (`cfg.remat`)
+  neither the draft nor the teacher logits of the whole batch are ever held in memory.
+
+  Returns:
+    (loss, stats): stats has per-depth sums `weight` [K], `divergence` [K] and `agree` [K]
+    (top-1 agreement of draft and teacher), whose ratios are the metrics.
+  """
+  d = rows.draft.shape[-1]
+  draft = rows.draft.reshape(-1, d)
+  teacher = jax.lax.stop_gradient(rows.teacher.reshape(-1, d))
+  weight, depth = rows.weight.reshape(-1), rows.depth.reshape(-1)
+  n = draft.shape[0]
+  chunk = min(cfg.chunk, n)
+  pad = -n % chunk
+  if pad:
+    draft, teacher = (jnp.pad(x, ((0, pad), (0, 0))) for x in (draft, teacher))
+    weight, depth = jnp.pad(weight, (0, pad)), jnp.pad(depth, (0, pad), constant_values=1)
+
+  def one_chunk(stats, xs):
+    g, f, w, dep = xs
+    draft_logits = logits_fn(g)
+    teacher_logits = jax.lax.stop_gradient(logits_fn(f))
+    div = divergence(cfg.divergence, draft_logits, teacher_logits, cfg.temperature)
+    agree = jnp.argmax(draft_logits, -1) == jnp.argmax(teacher_logits, -1)
+    onehot = jax.nn.one_hot(dep - 1, num_depths) * w[:, None]
+    return jax.tree.map(
+      jnp.add, stats, dict(weight=onehot.sum(0), divergence=div @ onehot, agree=agree @ onehot)
+    ), None
+
+  zeros = jnp.zeros((num_depths,), jnp.float32)
+  split = lambda x: x.reshape(-1, chunk, *x.shape[1:])
+  stats, _ = jax.lax.scan(
+    jax.checkpoint(one_chunk) if cfg.remat else one_chunk,
+    dict(weight=zeros, divergence=zeros, agree=zeros),
+    (split(draft), split(teacher), split(weight), split(depth)),
+  )
+  total = stats["divergence"].sum() / jnp.maximum(stats["weight"].sum(), 1.0)
+  return total, stats
+
+
+def distill_rows(drafter, target, tokens_BS, loss_mask_BS, key, cfg: LossConfig):
+  """Runs the frozen target and the drafter over a batch: (Rows, feature regression loss).
+
+  Args:
+    drafter: a `drafter.Drafter` of kind pspec, eagle or medusa (parameters being trained).
+    target: the frozen `llama.Target` (gradients stop at its features).
+    tokens_BS: int tokens, right-padded.
+    loss_mask_BS: bool, True on tokens the drafter should learn to predict.
+    key: draws the pspec anchors.
+    cfg: the loss settings.
+  """
+  from pspec_jax.drafter import FeatureDrafter
+
+  b, s = tokens_BS.shape
+  positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+  features, _ = target(tokens_BS, positions)
+  features = jax.lax.stop_gradient(features)
+  kind, k = drafter.cfg.kind, drafter.cfg.num_draft
+  if kind == "medusa":
+    heads_BSKD = drafter.apply(features.reshape(b * s, -1)).reshape(b, s, k, -1)
+    depth = np.arange(1, k + 1)
+    teacher = np.minimum(np.arange(s)[:, None] + depth, s - 1)  # [S, K]: t + d
+    weight = jnp.stack([real_weights(loss_mask_BS, int(d)) for d in depth], axis=-1)
+    rows = Rows(
+      draft=heads_BSKD,
+      teacher=features[:, teacher],
+      weight=weight,
+      depth=jnp.broadcast_to(depth, (b, s, k)),
+    )
+    return rows, jnp.float32(0.0)
+  if kind not in ("pspec", "eagle"):
+    raise ValueError(f"a {kind} drafter has nothing to train")
+  layout = None
+  if kind == "pspec" and k > 1:
+    layout = slot_layout(loss_mask_BS, k - 1, cfg.anchors, key)
+  embeds = target.embed(shifted(tokens_BS, 1))
+  g_real, g_slots = drafter.apply(embeds, features, layout, method=FeatureDrafter.train_forward)
+  next_features = shifted(features, 1)
+  real_weight = real_weights(loss_mask_BS, 1)
+  rows = [Rows(g_real, next_features, real_weight, jnp.ones((b, s), jnp.int32))]
+  if layout is not None:
+    teacher = jnp.take_along_axis(features, layout.teacher.reshape(b, -1)[..., None], axis=1)
+    depth = jnp.broadcast_to(jnp.arange(2, k + 1), layout.weight.shape)
+    rows.append(Rows(g_slots, teacher.reshape(g_slots.shape), layout.weight, depth))
+  regression = smooth_l1(g_real, next_features)
+  feature_loss = jnp.sum(regression * real_weight) / jnp.maximum(real_weight.sum(), 1.0)
+  return Rows.concat(rows), feature_loss

@@ -1,0 +1,122 @@
+"""Every real training config, from shapes alone: sizes, shardings and the memory plan."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec
+
+from configs import common
+from pspec_jax import drafter as drafter_lib
+from pspec_jax import llama
+from train import distill, plan
+from train import step as step_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# name -> (target parameters, pspec drafter parameters), in billions. Targets: the published
+# sizes; drafters: one decoder layer plus the 2D -> D fuse, EAGLE's published 0.24B / 0.37B.
+REAL = {
+  "llama2_7b": (6.738, 0.236),
+  "llama2_13b": (13.016, 0.370),
+  "vicuna_7b": (6.738, 0.236),
+  "vicuna_13b": (13.016, 0.370),
+  "llama3_8b": (8.030, 0.252),
+  "smollm2_135m": (0.1345, 0.00421),
+}
+
+
+def _load(name, variant=""):
+  module = __import__(f"configs.{name}", fromlist=["get_config"])
+  return module.get_config(variant or None)
+
+
+def _count(tree):
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("name", sorted(REAL))
+def test_parameter_counts_match_the_published_sizes(name):
+  config = _load(name)
+  cfg = distill.step_config(config)
+  key = jax.random.key(0)
+  target = jax.eval_shape(lambda: llama.init_params(cfg.target, key))
+  drafter = jax.eval_shape(lambda: drafter_lib.init_params(cfg.drafter, key))
+  want_target, want_drafter = REAL[name]
+  assert _count(target) / 1e9 == pytest.approx(want_target, abs=0.001 * max(want_target, 1))
+  assert _count(drafter) / 1e9 == pytest.approx(want_drafter, rel=0.01)
+
+
+@pytest.mark.parametrize("name", ["llama2_13b", "llama3_8b"])
+@pytest.mark.parametrize("hardware", ["v4-32", "v5e-16"])
+def test_shardings_on_the_intended_mesh_split_every_large_array(name, hardware):
+  config = _load(name, hardware)
+  cfg = distill.step_config(config)
+  mesh = plan.abstract_mesh(config)
+  assert dict(mesh.shape) == {"data": 1, "fsdp": 16, "tensor": 1}
+  place = step_lib.placement(cfg, mesh)
+  key = jax.random.key(0)
+  target = jax.eval_shape(lambda: llama.init_params(cfg.target, key))
+  for x, sharding in zip(jax.tree.leaves(target), jax.tree.leaves(place.target), strict=True):
+    shard = sharding.shard_shape(x.shape)  # raises if the spec does not divide the shape
+    if x.size > 1e6:
+      assert np.prod(shard) * 16 == x.size, (x.shape, sharding.spec)
+  params = jax.eval_shape(lambda: drafter_lib.init_params(cfg.drafter, key))
+  for x, sharding in zip(jax.tree.leaves(params), jax.tree.leaves(place.state.params), strict=True):
+    sharding.shard_shape(x.shape)
+  assert place.batch["tokens"].spec == PartitionSpec(("data", "fsdp"), None)
+
+
+@pytest.mark.parametrize("variant", ["v4-32", "v4-8", "v5e-16", "gpu-80gb"])
+def test_dry_run_prints_the_memory_plan_without_allocating(variant):
+  command = [
+    sys.executable,
+    "-m",
+    "train.distill",
+    f"--config=configs/llama2_13b.py:{variant}",
+    "--dry_run",
+  ]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+  assert result.returncode == 0, result.stderr[-2000:]
+  out = result.stdout
+  assert "13.016B parameters" in out
+  devices, memory = common.HARDWARE[variant]
+  assert f"{devices} devices, {memory:g} GiB each" in out
+  for row in ("target params", "drafter params", "optimizer state", "total"):
+    assert row in out
+  target_gib = float(next(line for line in out.splitlines() if "target params" in line).split()[-1])
+  assert target_gib == pytest.approx(13.016e9 * 2 / devices / 2**30, rel=0.01)  # bf16
+  # Each preset splits the batch into as many microbatches as it needs to fit.
+  assert "does NOT fit" not in out and out.strip().splitlines()[-1].endswith(
+    f"fits in {memory:g} GiB"
+  )
+
+
+@pytest.mark.parametrize(
+  ("args", "message"),
+  [
+    (["--config=configs/smollm2_135m.py", "--config.train.nope=1"], "unknown config key 'nope'"),
+    (["--config=configs/llama2_13b.py:nope", "--dry_run"], "unknown config variant 'nope'"),
+    (["--config=configs/no_such.py"], "No such file"),
+    (
+      ["--config=configs/llama2_13b.py", "--workdir=/tmp/unused"],
+      "target not found: /data/Llama-2-13b-chat-hf",
+    ),
+  ],
+)
+def test_bad_configs_are_one_clear_error(args, message):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  result = subprocess.run(
+    [sys.executable, "-m", "train.distill", *args],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+  )
+  assert result.returncode == 1
+  assert message in result.stderr and "Traceback" not in result.stderr
+  assert result.stderr.strip().splitlines()[-1].startswith("error: ")

@@ -1,0 +1,139 @@
+"""`train.selfdistill` and `train.distill` end to end on the smoke config, with a SIGKILL."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pspec_jax import drafter_files
+
+SMOKE = "configs/smollm2_135m.py:smoke"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow
+
+
+def _command(module, workdir, cache, *extra):
+  return [
+    sys.executable,
+    "-m",
+    module,
+    f"--config={SMOKE}",
+    f"--workdir={workdir}",
+    f"--config.data.cache_dir={cache}",
+    *extra,
+  ]
+
+
+def _env():
+  return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", HF_HUB_OFFLINE="1")
+
+
+def _train_lines(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as fh:
+    return [r for r in map(json.loads, fh) if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+  """One smoke run from start to finish: (workdir, data cache)."""
+  base = tmp_path_factory.mktemp("distill")
+  workdir, cache = base / "run", base / "cache"
+  result = subprocess.run(
+    _command("train.distill", workdir, cache), cwd=ROOT, env=_env(), capture_output=True, text=True
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  return workdir, cache
+
+
+def test_smoke_run_logs_checkpoints_and_exports(uninterrupted, smollm2):
+  workdir, _ = uninterrupted
+  lines = _train_lines(workdir)
+  assert [r["step"] for r in lines] == [1, 2, 3, 4, 5, 6]
+  for r in lines:
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "agree_per_depth/d4"} <= set(r)
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert any("eval/loss" in r for r in records)
+  assert os.listdir(workdir / "tb"), "no TensorBoard event file"
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["4", "6"]  # keep_checkpoints=2
+  target, _ = smollm2
+  drafter = drafter_files.load_drafter(str(workdir / "export"), target)
+  assert drafter.cfg.kind == "pspec" and drafter.cfg.num_draft == 4
+
+
+def test_killed_run_resumes_where_it_stopped(uninterrupted, tmp_path):
+  reference, cache = uninterrupted
+  workdir = tmp_path / "run"
+  proc = subprocess.Popen(
+    _command("train.distill", workdir, cache),
+    cwd=ROOT,
+    env=_env(),
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.DEVNULL,
+  )
+  checkpoints = workdir / "checkpoints"
+  deadline = time.time() + 600
+  while time.time() < deadline and proc.poll() is None:
+    done = [int(d) for d in os.listdir(checkpoints) if d.isdigit()] if checkpoints.exists() else []
+    if any(d for d in done if 2 <= d < 6):  # a complete checkpoint, the run not finished
+      break
+    time.sleep(0.05)
+  assert proc.poll() is None, "the run ended before it could be killed"
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  killed_at = max(int(d) for d in os.listdir(checkpoints) if d.isdigit())
+  result = subprocess.run(
+    _command("train.distill", workdir, cache), cwd=ROOT, env=_env(), capture_output=True, text=True
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert f"resumed from step {killed_at} (data position {killed_at * 2})" in result.stdout
+  # Same steps, same data, same updates: the resumed run ends exactly where the other did.
+  resumed = {r["step"]: r for r in _train_lines(workdir)}
+  for r in _train_lines(reference):
+    if r["step"] > killed_at:
+      assert resumed[r["step"]]["loss"] == pytest.approx(r["loss"], rel=1e-5)
+
+
+def test_nan_loss_stops_with_the_last_checkpoint_intact(uninterrupted, tmp_path):
+  _, cache = uninterrupted
+  workdir = tmp_path / "run"
+  # An absurd learning rate blows the drafter up within a few steps.
+  result = subprocess.run(
+    _command(
+      "train.distill", workdir, cache, "--config.train.lr=1e30", "--config.train.clip_norm=1e30"
+    ),
+    cwd=ROOT,
+    env=_env(),
+    capture_output=True,
+    text=True,
+  )
+  assert result.returncode != 0
+  assert "error: loss is" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_selfdistill_writes_resumable_shards(tmp_path):
+  out = tmp_path / "sd"
+  command = [
+    sys.executable,
+    "-m",
+    "train.selfdistill",
+    f"--config={SMOKE}",
+    f"--config.selfdistill.out={out}",
+  ]
+  result = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True)
+  assert result.returncode == 0, result.stderr[-3000:]
+  shards = sorted(os.listdir(out))
+  assert shards == ["part-00000.jsonl", "part-00001.jsonl"]
+  records = [json.loads(line) for s in shards for line in (out / s).read_text().splitlines()]
+  assert len(records) == 4
+  for r in records:
+    turns = r["conversations"]
+    assert turns[-2]["from"] == "user" and turns[-1]["from"] == "gpt" and turns[-1]["value"]
+  first = (out / shards[0]).read_text()
+  (out / shards[0]).unlink()
+  result = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert (out / shards[0]).read_text() == first  # greedy: the same answers again

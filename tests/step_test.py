@@ -1,0 +1,88 @@
+"""The sharded train step: the same loss and update on 8 fake CPU devices as on one."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny_models import TINY, make_target
+
+from pspec_jax import drafter as drafter_lib
+from pspec_jax import losses, sharding
+from train import step as step_lib
+
+
+def _batch(batch=8, length=16):
+  tokens = jax.random.randint(jax.random.key(5), (batch, length), 0, TINY.vocab_size)
+  loss_mask = jnp.arange(length)[None, :] >= jnp.arange(batch)[:, None] % 5 + 2
+  return {"tokens": tokens.astype(jnp.int32), "loss_mask": loss_mask}
+
+
+def _one_step(kind, mesh):
+  target = make_target(3.0).with_scan_layers(True)
+  drafter = drafter_lib.random_drafter(kind, target, jax.random.key(0), num_draft=3)
+  cfg = step_lib.StepConfig(
+    target=target.cfg,
+    drafter=drafter.cfg,
+    loss=losses.LossConfig(anchors=4, chunk=32, feature_weight=0.5),
+    optimizer=step_lib.OptimizerConfig(lr=1e-2, warmup_steps=1, steps=10),
+  )
+  place = step_lib.placement(cfg, mesh)
+  state = jax.device_put(step_lib.init_state(cfg, drafter.params), place.state)
+  target_params = jax.device_put(target.params, place.target)
+  batch = jax.device_put(_batch(), place.batch)
+  state, metrics = step_lib.jit_train_step(cfg, place)(
+    state, target_params, batch, jax.random.key(1)
+  )
+  return jax.device_get((state.params, metrics)), state
+
+
+MESHES = [dict(data=8), dict(data=2, fsdp=2, tensor=2), dict(data=1, fsdp=4, tensor=2)]
+
+
+@pytest.mark.parametrize("kind", ["pspec", "eagle", "medusa"])
+def test_sharded_step_equals_one_device(kind):
+  assert jax.device_count() == 8
+  (want_params, want_metrics), _ = _one_step(kind, sharding.make_mesh(devices=jax.devices()[:1]))
+  for shape in MESHES:
+    mesh = sharding.make_mesh(**shape)
+    (params, metrics), state = _one_step(kind, mesh)
+    assert float(metrics["loss"]) == pytest.approx(float(want_metrics["loss"]), rel=1e-5)
+    np.testing.assert_allclose(metrics["agree_per_depth"], want_metrics["agree_per_depth"])
+    jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), params, want_params
+    )
+    # The updated state really lives on the mesh, sharded as the rules say.
+    leaves = jax.tree.leaves(state.params)
+    assert all(x.sharding.mesh.shape == mesh.shape for x in leaves)
+    if shape.get("tensor", 1) > 1 and kind != "medusa":
+      mlp = state.params["block"]["mlp"]["gate"]
+      assert mlp.sharding.spec[-1] is not None  # MLP width split over `tensor`
+
+
+def test_microbatches_average_the_parts():
+  target = make_target(3.0).with_scan_layers(True)
+  drafter = drafter_lib.random_drafter("medusa", target, jax.random.key(0), num_draft=3)
+
+  def config(microbatches):
+    return step_lib.StepConfig(
+      target=target.cfg,
+      drafter=drafter.cfg,
+      loss=losses.LossConfig(chunk=32),
+      optimizer=step_lib.OptimizerConfig(lr=1e-2, warmup_steps=1, steps=10),
+      microbatches=microbatches,
+    )
+
+  batch, key = _batch(), jax.random.key(1)
+  state = step_lib.init_state(config(2), drafter.params)
+  _, metrics = step_lib.train_step(state, target.params, batch, key, cfg=config(2))
+  # Part j holds rows j, j + 2, ... (each device keeps its own rows).
+  parts = [jax.tree.map(lambda x, j=j: x[j::2], batch) for j in range(2)]
+  evals = [step_lib.eval_step(drafter.params, target.params, p, key, cfg=config(1)) for p in parts]
+  assert float(metrics["loss"]) == pytest.approx(
+    np.mean([float(e["loss"]) for e in evals]), rel=1e-4
+  )
+  assert float(metrics["tokens"]) == sum(float(e["tokens"]) for e in evals)
+  whole = step_lib.eval_step(drafter.params, target.params, batch, key, cfg=config(1))
+  np.testing.assert_allclose(
+    metrics["agree_per_depth"], whole["agree_per_depth"], rtol=1e-6
+  )  # counts add up exactly

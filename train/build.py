@@ -1,0 +1,82 @@
+"""Turns an experiment config (ml_collections) into library objects; shared by train mains."""
+
+import math
+import os
+
+import jax.numpy as jnp
+import ml_collections
+
+from pspec_jax import checkpoints, llama
+from pspec_jax.drafter import DrafterConfig
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def storage_dtype(name: str):
+  """A numpy dtype for files: float32 or bfloat16 (ml_dtypes)."""
+  import ml_dtypes
+  import numpy as np
+
+  types = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+  if name not in types:
+    raise ValueError(f"unknown storage dtype {name!r}: use float32 or bfloat16")
+  return types[name]
+
+
+def dtype(name: str):
+  if name not in DTYPES:
+    raise ValueError(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)}")
+  return DTYPES[name]
+
+
+def target_config(config: ml_collections.ConfigDict, scan_layers: bool = True) -> llama.LlamaConfig:
+  """The target architecture the config declares (no checkpoint needed)."""
+  arch = config.target.arch.to_dict()
+  if arch.get("rope_scaling"):
+    arch["rope_scaling"] = llama.RopeScaling(**arch["rope_scaling"])
+  name = os.path.basename(os.path.normpath(config.target.checkpoint))
+  return llama.LlamaConfig(
+    name=name.removesuffix(".gguf"),
+    **arch,
+    scan_layers=scan_layers,
+    dtype=dtype(config.target.dtype),
+    param_dtype=dtype(config.target.param_dtype),
+  )
+
+
+def check_target_exists(config: ml_collections.ConfigDict) -> None:
+  """A clear error for a missing checkpoint, before anything is compiled or allocated."""
+  checkpoints.resolve_target(config.target.checkpoint)
+
+
+def load_target(config: ml_collections.ConfigDict, scan_layers: bool = True) -> llama.Target:
+  """Loads the checkpoint and checks it is the architecture the config declares."""
+  target = checkpoints.load_target(
+    config.target.checkpoint,
+    dtype=dtype(config.target.dtype),
+    param_dtype=dtype(config.target.param_dtype),
+    scan_layers=scan_layers,
+  )
+  declared = target_config(config, scan_layers)
+  for field, value in config.target.arch.items():
+    got = getattr(target.cfg, field)
+    want = getattr(declared, field)
+    same = math.isclose(got, want, rel_tol=1e-6) if isinstance(want, float) else got == want
+    if not same:
+      raise ValueError(
+        f"config.target.arch.{field}={value} but the checkpoint {config.target.checkpoint} "
+        f"has {got}: fix the config"
+      )
+  return target
+
+
+def drafter_config(config: ml_collections.ConfigDict, target: llama.LlamaConfig) -> DrafterConfig:
+  d = config.drafter
+  return DrafterConfig.for_target(
+    d.kind,
+    target,
+    num_draft=d.num_draft,
+    tree=d.tree,
+    dtype=dtype(d.dtype),
+    param_dtype=dtype(d.param_dtype),
+  )

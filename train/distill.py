@@ -1,0 +1,234 @@
+r"""Train a drafter by distillation from its frozen target (DESIGN.md section 4).
+
+  python -m train.distill --config=configs/smollm2_135m.py --workdir=workdirs/smollm2_pspec
+  python -m train.distill --config=configs/llama2_13b.py --workdir=gs://bucket/run
+  python -m train.distill --config=configs/llama2_13b.py --dry_run   # memory plan only
+
+The workdir holds orbax checkpoints (`checkpoints/`), `metrics.jsonl`, TensorBoard event files
+(`tb/`) and, at the end, the drafter in the engine's file format (`export/`). Restarted with
+the same workdir, a run resumes from its last complete checkpoint at the same step and data
+position. A NaN or Inf loss stops the run before anything is saved from that step on.
+"""
+
+import json
+import os
+import time
+
+from absl import flags
+from ml_collections import config_flags
+
+from train import cli
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file("config", None, "Training config file.", lock_config=True)
+flags.DEFINE_string("workdir", None, "Checkpoints, metrics and the export (default: config).")
+flags.DEFINE_bool("dry_run", False, "Print the per-device memory plan and exit; allocates nothing.")
+
+
+def step_config(config, scan_layers: bool = True):
+  from pspec_jax import losses
+  from train import build
+  from train.step import OptimizerConfig, StepConfig
+
+  target = build.target_config(config, scan_layers)
+  t = config.train
+  return StepConfig(
+    target=target,
+    drafter=build.drafter_config(config, target),
+    loss=losses.LossConfig(**config.loss.to_dict()),
+    optimizer=OptimizerConfig(
+      lr=t.lr,
+      warmup_steps=t.warmup_steps,
+      steps=t.steps,
+      end_lr_ratio=t.end_lr_ratio,
+      weight_decay=t.weight_decay,
+      clip_norm=t.clip_norm,
+    ),
+    microbatches=t.microbatches,
+  )
+
+
+def _scalars(metrics: dict, prefix: str = "") -> dict:
+  """Flattens metrics (per-depth vectors become `name/d1`, ...) into floats."""
+  import numpy as np
+
+  out = {}
+  for name, value in metrics.items():
+    value = np.asarray(value)
+    if value.ndim == 0:
+      out[prefix + name] = float(value)
+    else:
+      out.update({f"{prefix}{name}/d{i + 1}": float(v) for i, v in enumerate(value)})
+  return out
+
+
+def train(config, workdir: str) -> None:
+  import jax
+  import numpy as np
+  import orbax.checkpoint as ocp
+  import transformers
+  from tqdm import tqdm
+
+  from pspec_jax import checkpoints, data, sharding
+  from pspec_jax.drafter import Drafter
+  from pspec_jax.drafter_files import save_drafter
+  from train import build, metrics_log
+  from train import step as step_lib
+
+  transformers.logging.set_verbosity_error()
+  cfg = step_config(config)
+  build.check_target_exists(config)
+  if config.distributed:
+    jax.distributed.initialize()
+  main = jax.process_index() == 0
+  t = config.train
+  if t.batch_size % (jax.process_count() * t.microbatches):
+    raise ValueError(
+      f"train.batch_size={t.batch_size} must divide over {jax.process_count()} hosts and "
+      f"train.microbatches={t.microbatches}"
+    )
+
+  # Data first: bad data is reported before the model is loaded or anything compiled.
+  tokenizer = checkpoints.load_tokenizer(config.target.checkpoint)
+  source = config.data.source
+  if source == config.selfdistill.out and not os.path.exists(source):
+    raise ValueError(f"{source} does not exist: run `python -m train.selfdistill` first")
+  loaded = {
+    split: data.load_token_data(
+      source,
+      tokenizer,
+      seq_len=config.data.seq_len,
+      split=split,
+      heldout_per_mille=config.data.heldout_per_mille,
+      max_conversations=config.data.max_conversations,
+      cache_dir=config.data.cache_dir or None,
+      tfds_data_dir=config.data.tfds_data_dir or None,
+    )
+    for split in ("train", "heldout")
+  }
+
+  mesh = sharding.make_mesh(**config.mesh.to_dict())
+  place = step_lib.placement(cfg, mesh)
+  target = build.load_target(config)
+  target_params = jax.device_put(target.params, place.target)
+  train_step = step_lib.jit_train_step(cfg, place)
+  eval_step = step_lib.jit_eval_step(cfg, place)
+  key = jax.random.key(config.seed)
+  state = step_lib.jit_init(cfg, place)(jax.random.fold_in(key, 1))
+
+  manager = ocp.CheckpointManager(
+    os.path.abspath(os.path.join(workdir, "checkpoints")),
+    options=ocp.CheckpointManagerOptions(
+      max_to_keep=t.keep_checkpoints,
+      save_interval_steps=t.checkpoint_every,
+      enable_async_checkpointing=True,
+    ),
+  )
+  start = manager.latest_step()
+  if start is not None:
+    abstract = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, place.state
+    )
+    restored = manager.restore(
+      start,
+      args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+      ),
+    )
+    state = restored.state
+    if main:
+      position = restored.meta["data_position"]
+      print(f"resumed from step {start} (data position {position})", flush=True)
+  first = int(state.step)
+
+  def global_batch(split: str, index: int) -> dict:
+    """Batch `index` of a split; each host contributes its slice of the global batch."""
+    batch = loaded[split].batch(index, t.batch_size, seed=config.seed)
+    per_host = t.batch_size // jax.process_count()
+    lo = jax.process_index() * per_host
+    return {
+      name: jax.make_array_from_process_local_data(
+        place.batch[name], batch[name][lo : lo + per_host]
+      )
+      for name in ("tokens", "loss_mask")
+    }
+
+  log = metrics_log.MetricsLog(workdir, active=main)
+  if main:
+    log.text(
+      "config",
+      json.dumps(dict(config=config.to_dict(), train_conversations=len(loaded["train"]))),
+    )
+  bar = tqdm(total=t.steps, initial=first, desc=f"distill {cfg.drafter.kind}", disable=not main)
+  tokens_per_step = t.batch_size * config.data.seq_len
+  last_time = time.perf_counter()
+  for step in range(first, t.steps):
+    batch = global_batch("train", step)
+    state, metrics = train_step(state, target_params, batch, key)
+    loss = float(metrics["loss"])
+    if not np.isfinite(loss):
+      manager.wait_until_finished()
+      raise FloatingPointError(
+        f"loss is {loss} at step {step + 1}: stopped; the last good checkpoint "
+        f"(step {manager.latest_step()}) is intact. Lower train.lr or check the data"
+      )
+    done = step + 1
+    manager.save(
+      done,
+      args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state),
+        meta=ocp.args.JsonSave({"step": done, "data_position": done * t.batch_size}),
+      ),
+    )
+    bar.update(1)
+    if done % t.log_every == 0 or done == t.steps:
+      now = time.perf_counter()
+      scalars = _scalars(metrics)
+      scalars["tokens_per_s"] = (
+        tokens_per_step * (done - max(first, done - t.log_every)) / (now - last_time)
+      )
+      last_time = now
+      log.write(done, scalars)
+      bar.set_postfix(loss=f"{loss:.3f}", agree1=f"{scalars.get('agree_per_depth/d1', 0):.2f}")
+    if done % t.eval_every == 0 or done == t.steps:
+      evals = [
+        eval_step(state.params, target_params, global_batch("heldout", i), key)
+        for i in range(t.eval_batches)
+      ]
+      mean = jax.tree.map(lambda *xs: np.mean(xs, axis=0), *jax.device_get(evals))
+      log.write(done, _scalars(mean, "eval/"))
+      last_time = time.perf_counter()
+  bar.close()
+  manager.wait_until_finished()
+  manager.close()
+  if main:
+    params = jax.device_get(state.params)
+    save_drafter(
+      os.path.join(workdir, "export"),
+      Drafter(cfg=cfg.drafter, params=params),
+      extra={"trained_steps": int(state.step), "config": config.to_dict()},
+      dtype=build.storage_dtype(config.drafter.export_dtype),
+    )
+  log.close()
+
+
+def dry_run(config) -> None:
+  """Prints per-device bytes of everything a train step holds, for the configured mesh."""
+  from train import plan
+
+  print(plan.memory_table(config, step_config(config)))
+
+
+def main(argv):
+  config = FLAGS.config
+  if FLAGS.dry_run:
+    dry_run(config)
+    return
+  workdir = FLAGS.workdir or config.workdir
+  if not workdir:
+    raise ValueError("give --workdir (or config.workdir)")
+  train(config, workdir)
+
+
+if __name__ == "__main__":
+  cli.run(main)

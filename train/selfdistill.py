@@ -1,0 +1,123 @@
+r"""Self-distillation data: ShareGPT prompts answered by the target itself.
+
+  python -m train.selfdistill --config=configs/smollm2_135m.py
+
+For the first `config.selfdistill.num_conversations` conversations of
+`config.selfdistill.source` (both splits), the first user turn (and a system turn before it,
+if any) is answered by the target through `pspec_jax.decode`, in batches, and written as
+ShareGPT-style JSONL shards under `config.selfdistill.out`, which `train.distill` reads as
+`config.data.source`. Each shard is written to a temporary file and
+renamed when complete, so a killed run loses at most the shard in progress; a restart skips
+the shards already written.
+"""
+
+import json
+import os
+
+from absl import flags
+from ml_collections import config_flags
+
+from train import cli
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file("config", None, "Training config file.", lock_config=True)
+
+
+def _prompts(config, tokenizer):
+  """(id, turns before the first answer, prompt ids) of the source's first conversations.
+
+  Both splits are answered: the held-out conversations (a fixed hash of the id, see
+  `data.is_heldout`) stay held out when `train.distill` reads the output.
+  """
+  from pspec_jax import data
+
+  s = config.selfdistill
+  out = []
+  for c in data.read_conversations(s.source, config.data.tfds_data_dir or None):
+    first = next(i for i, t in enumerate(c["turns"]) if t["role"] == "assistant")
+    turns = c["turns"][:first]
+    if not turns or turns[-1]["role"] != "user":
+      continue
+    text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    if len(ids) <= s.max_prompt_tokens:
+      out.append((c["id"], turns, ids))
+    if len(out) == s.num_conversations:
+      break
+  return out
+
+
+def run(config) -> None:
+  import jax
+  import numpy as np
+  import transformers
+  from tqdm import tqdm
+
+  from pspec_jax import checkpoints, data, decode, drafter_files
+  from pspec_jax.sampling import SamplingConfig
+  from train import build
+
+  transformers.logging.set_verbosity_error()
+  s = config.selfdistill
+  if s.method not in ("none", "pld"):
+    raise ValueError(f"selfdistill.method must be none or pld, got {s.method!r}")
+  if s.shard_size % s.batch_size:
+    raise ValueError("selfdistill.shard_size must be a multiple of selfdistill.batch_size")
+  build.check_target_exists(config)
+  tokenizer = checkpoints.load_tokenizer(config.target.checkpoint)
+  prompts = _prompts(config, tokenizer)
+  os.makedirs(s.out, exist_ok=True)
+  shards = [prompts[i : i + s.shard_size] for i in range(0, len(prompts), s.shard_size)]
+  todo = [i for i in range(len(shards)) if not os.path.exists(_shard_path(s.out, i))]
+  bar = tqdm(total=len(prompts), desc="self-distill", unit="conv")
+  bar.update(sum(len(shards[i]) for i in range(len(shards)) if i not in todo))
+  if not todo:
+    bar.close()
+    return
+  target = build.load_target(config, scan_layers=False)
+  drafter = drafter_files.resolve_drafter(s.method, None, target, num_draft=4)
+  cfg = decode.DecodeConfig(
+    max_new_tokens=s.max_new_tokens,
+    sampling=SamplingConfig(temperature=s.temperature),
+    eos_ids=checkpoints.eos_token_ids(config.target.checkpoint, tokenizer),
+    pad_id=tokenizer.pad_token_id or 0,
+  )
+  key = jax.random.key(config.seed)
+  for index in todo:
+    records = []
+    shard = shards[index]
+    for start in range(0, len(shard), s.batch_size):
+      batch = shard[start : start + s.batch_size]
+      # One prompt width for every batch: one compilation.
+      tokens, lengths = data.pad_batch([ids for _, _, ids in batch], max_width=s.max_prompt_tokens)
+      tokens = np.pad(
+        tokens, ((0, s.batch_size - len(batch)), (0, s.max_prompt_tokens - tokens.shape[1]))
+      )
+      lengths = np.pad(lengths, (0, s.batch_size - len(batch)), constant_values=1)
+      batch_key = jax.random.fold_in(key, index * s.shard_size + start)
+      out = jax.device_get(decode.generate(target, tokens, lengths, batch_key, cfg, drafter))
+      for row, (cid, turns, _) in enumerate(batch):  # padding rows are dropped
+        ids = np.asarray(out.tokens[row, : out.lengths[row]]).tolist()
+        answer = tokenizer.decode(ids, skip_special_tokens=True)
+        conversation = [{"from": t["role"], "value": t["content"]} for t in turns]
+        records.append(
+          {"id": cid, "conversations": conversation + [{"from": "gpt", "value": answer}]}
+        )
+      bar.update(len(batch))
+    path = _shard_path(s.out, index)
+    with open(path + ".tmp", "w") as fh:
+      fh.writelines(json.dumps(r) + "\n" for r in records)
+    os.replace(path + ".tmp", path)
+  bar.close()
+
+
+def _shard_path(out: str, index: int) -> str:
+  return os.path.join(out, f"part-{index:05d}.jsonl")
+
+
+def main(argv):
+  run(FLAGS.config)
+
+
+if __name__ == "__main__":
+  cli.run(main)

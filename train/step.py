@@ -1,0 +1,200 @@
+"""The pure distillation train step: (state, target_params, batch, key) -> (state, metrics).
+
+The frozen target's parameters are an argument of every step, never part of the train state:
+they get no gradients, no optimizer moments and no checkpoint.
+"""
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from pspec_jax import losses
+from pspec_jax.drafter import Drafter, DrafterConfig
+from pspec_jax.llama import LlamaConfig, Target
+
+
+@struct.dataclass
+class TrainState:
+  step: jax.Array
+  params: Any  # the drafter's
+  opt_state: Any
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+  lr: float = 1e-3
+  warmup_steps: int = 100
+  steps: int = 1000
+  end_lr_ratio: float = 0.1
+  weight_decay: float = 0.01
+  clip_norm: float = 1.0
+
+  def schedule(self) -> optax.Schedule:
+    """Linear warmup to `lr`, then cosine decay to `lr * end_lr_ratio` at `steps`."""
+    return optax.warmup_cosine_decay_schedule(
+      init_value=0.0,
+      peak_value=self.lr,
+      warmup_steps=self.warmup_steps,
+      decay_steps=max(self.steps, self.warmup_steps + 1),
+      end_value=self.lr * self.end_lr_ratio,
+    )
+
+  def make(self) -> optax.GradientTransformation:
+    """AdamW after global-norm clipping; vectors (norm scales, biases) are not decayed."""
+    decay_mask = lambda params: jax.tree.map(lambda x: x.ndim > 1, params)
+    return optax.chain(
+      optax.clip_by_global_norm(self.clip_norm),
+      optax.adamw(self.schedule(), weight_decay=self.weight_decay, mask=decay_mask),
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepConfig:
+  """Everything static about a step (hashable)."""
+
+  target: LlamaConfig
+  drafter: DrafterConfig
+  loss: losses.LossConfig
+  optimizer: OptimizerConfig
+  microbatches: int = 1  # gradient accumulation: the batch is split into this many parts
+
+  def __post_init__(self):
+    if self.microbatches < 1:
+      raise ValueError(f"train.microbatches must be >= 1, got {self.microbatches}")
+
+
+def init_state(cfg: StepConfig, params) -> TrainState:
+  return TrainState(
+    step=jnp.zeros((), jnp.int32), params=params, opt_state=cfg.optimizer.make().init(params)
+  )
+
+
+def _loss_and_stats(params, target_params, batch, key, cfg: StepConfig):
+  target = Target(cfg=cfg.target, params=target_params)
+  drafter = Drafter(cfg=cfg.drafter, params=params)
+  rows, feature_loss = losses.distill_rows(
+    drafter, target, batch["tokens"], batch["loss_mask"], key, cfg.loss
+  )
+  divergence, stats = losses.loss(rows, target.logits, cfg.drafter.num_draft, cfg.loss)
+  total = divergence + cfg.loss.feature_weight * feature_loss
+  return total, dict(stats, divergence=divergence, feature_loss=feature_loss)
+
+
+def _metrics(total, stats) -> dict:
+  weight = jnp.maximum(stats["weight"], 1.0)
+  return {
+    "loss": total,
+    "divergence": stats["divergence"],
+    "feature_loss": stats["feature_loss"],
+    "agree_per_depth": stats["agree"] / weight,
+    "tokens": stats["weight"][0],
+  }
+
+
+def train_step(state: TrainState, target_params, batch: dict, key: jax.Array, *, cfg: StepConfig):
+  """One AdamW step on the drafter; the key is folded with the step (anchor sampling)."""
+  key = jax.random.fold_in(key, state.step)
+  grad_fn = jax.value_and_grad(functools.partial(_loss_and_stats, cfg=cfg), has_aux=True)
+  n = cfg.microbatches
+  if n == 1:
+    (total, stats), grads = grad_fn(state.params, target_params, batch, key)
+  else:
+    # Part j takes rows j, j + n, ...: every device keeps its own rows in each part.
+    parts = jax.tree.map(lambda x: x.reshape(-1, n, *x.shape[1:]).swapaxes(0, 1), batch)
+
+    def accumulate(carry, part_and_index):
+      part, index = part_and_index
+      out = grad_fn(state.params, target_params, part, jax.random.fold_in(key, index))
+      return jax.tree.map(jnp.add, carry, out), None
+
+    zeros = jax.eval_shape(grad_fn, state.params, target_params, batch, key)
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), zeros)
+    summed, _ = jax.lax.scan(accumulate, zeros, (parts, jnp.arange(n)))
+    # Means over parts (the loss of each part is its own weighted mean); per-depth counts add.
+    (total, stats), grads = jax.tree.map(lambda x: x / n, summed)
+    for name in ("weight", "agree"):
+      stats[name] = summed[0][1][name]
+  updates, opt_state = cfg.optimizer.make().update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  metrics = _metrics(total, stats)
+  metrics["grad_norm"] = optax.tree.norm(grads)
+  metrics["lr"] = cfg.optimizer.schedule()(state.step)
+  return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def eval_step(params, target_params, batch: dict, key: jax.Array, *, cfg: StepConfig) -> dict:
+  """Held-out loss and per-depth agreement (same layout, no update)."""
+  total, stats = _loss_and_stats(params, target_params, batch, key, cfg)
+  return _metrics(total, stats)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Shardings of everything a step touches, from the logical-axis rules and a mesh."""
+
+  mesh: Any
+  target: Any  # tree of NamedSharding, like the target params
+  state: TrainState  # of NamedSharding
+  batch: dict
+  replicated: Any
+
+
+def placement(cfg: StepConfig, mesh) -> Placement:
+  """Shardings for a mesh (a `Mesh`, or an `AbstractMesh` for planning); allocates nothing."""
+  from pspec_jax import drafter as drafter_lib
+  from pspec_jax import llama, sharding
+
+  key = jax.random.key(0)
+  target_shapes = jax.eval_shape(lambda: llama.init_params(cfg.target, key))
+  target = sharding.shardings(
+    sharding.logical_specs(llama.init_boxed, cfg.target), target_shapes, mesh
+  )
+  drafter_shapes = jax.eval_shape(lambda: drafter_lib.init_params(cfg.drafter, key))
+  params = sharding.shardings(
+    sharding.logical_specs(drafter_lib.init_boxed, cfg.drafter), drafter_shapes, mesh
+  )
+  replicated = sharding.replicated(mesh)
+  opt_shapes = jax.eval_shape(cfg.optimizer.make().init, drafter_shapes)
+  opt_state = optax.tree_map_params(
+    cfg.optimizer.make(),
+    lambda _, s: s,
+    opt_shapes,
+    params,
+    transform_non_params=lambda _: replicated,
+  )
+  state = TrainState(step=replicated, params=params, opt_state=opt_state)
+  batch = {"tokens": sharding.batch_sharding(mesh), "loss_mask": sharding.batch_sharding(mesh)}
+  return Placement(mesh=mesh, target=target, state=state, batch=batch, replicated=replicated)
+
+
+def jit_init(cfg: StepConfig, place: Placement):
+  """key -> a fresh TrainState, created directly in its shardings."""
+  from pspec_jax import drafter as drafter_lib
+
+  return jax.jit(
+    lambda key: init_state(cfg, drafter_lib.init_params(cfg.drafter, key)),
+    out_shardings=place.state,
+  )
+
+
+def jit_train_step(cfg: StepConfig, place: Placement):
+  """The jitted, sharded `train_step`; the state argument is donated."""
+  return jax.jit(
+    functools.partial(train_step, cfg=cfg),
+    in_shardings=(place.state, place.target, place.batch, place.replicated),
+    out_shardings=(place.state, place.replicated),
+    donate_argnums=0,
+  )
+
+
+def jit_eval_step(cfg: StepConfig, place: Placement):
+  return jax.jit(
+    functools.partial(eval_step, cfg=cfg),
+    in_shardings=(place.state.params, place.target, place.batch, place.replicated),
+    out_shardings=place.replicated,
+  )
