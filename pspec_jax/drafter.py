@@ -50,6 +50,9 @@ class DrafterConfig:
     num_heads, num_kv_heads, head_dim, intermediate_size: the drafter layer's widths.
     rope_theta, rope_scaling, rms_norm_eps: as the target's.
     max_ngram: pld's longest n-gram.
+    draft_vocab_size: V', the tokens the drafter can propose (the most frequent ones of its
+      training data, stored with it); 0 means the target's whole vocabulary. A smaller draft
+      vocabulary makes the drafter's LM head (the target's, restricted to those rows) cheaper.
   """
 
   kind: str
@@ -66,6 +69,7 @@ class DrafterConfig:
   rope_scaling: RopeScaling | None = None
   rms_norm_eps: float = 1e-5
   max_ngram: int = 3
+  draft_vocab_size: int = 0
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
 
@@ -76,6 +80,11 @@ class DrafterConfig:
       raise ValueError(f"DrafterConfig.num_draft (K) must be >= 1, got {self.num_draft}")
     if self.max_ngram < 1:
       raise ValueError(f"DrafterConfig.max_ngram must be >= 1, got {self.max_ngram}")
+    if not 0 <= self.draft_vocab_size <= self.vocab_size:
+      raise ValueError(
+        f"DrafterConfig.draft_vocab_size must be in [0, {self.vocab_size}], "
+        f"got {self.draft_vocab_size}"
+      )
     tree_lib.parse(self.tree, self.num_draft)  # fails early on an unknown preset
 
   @classmethod
@@ -154,26 +163,27 @@ class FeatureDrafter(nn.Module):
     x_BTD, (k, v) = self.block(x_BTD, layer_kv, positions_BT, mask_BTT, cache.lengths)
     return self.norm(x_BTD), (k[None], v[None])
 
-  def train_forward(self, embeds_BTD, features_BTD, slots=None):
-    """The training layout: real pairs at positions 0..T-1, causal, then mask-slot groups.
+  def train_forward(self, embeds_BTD, features_BTD, positions_BT, mask_BTT, slots=None):
+    """The training layout: real pairs, then (pspec) the mask-slot groups.
 
     Args:
       embeds_BTD, features_BTD: pair t is (embed(x[t+1]), f[t]).
-      slots: a `losses.SlotLayout` (pspec), or None for the real pairs alone (eagle).
+      positions_BT, mask_BTT: the pairs' RoPE positions and attention (causal within each
+        packed conversation).
+      slots: a `losses.SlotLayout` (pspec), or None for the real pairs alone.
 
     Returns:
       (g_BTD, g_BAPD or None): normed drafter features of the pairs and of the slots.
     """
     u = self.pairs(embeds_BTD, features_BTD)
-    b, t = u.shape[:2]
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), jnp.bool_)), (b, t, t))
-    x, kv = self.block(u, None, positions, causal, None)
+    x, kv = self.block(u, None, positions_BT, mask_BTT, None)
     if slots is None:
       return self.norm(x), None
-    a, p = slots.positions.shape[1:]
+    b, a, p = slots.positions.shape
     m = jnp.broadcast_to(self.slots()[:p], (b, a, p, u.shape[-1]))
-    y = self.block.grouped(m, slots.positions, kv, slots.visible)
+    keys = jnp.arange(u.shape[1])
+    sees_BAT = (keys >= slots.first[..., None]) & (keys < slots.visible[..., None])
+    y = self.block.grouped(m, slots.positions, kv, sees_BAT)
     return self.norm(x), self.norm(y)
 
   def init_all(self, features_BTD):
@@ -223,10 +233,35 @@ def init_params(cfg: DrafterConfig, key: jax.Array) -> dict:
 
 @struct.dataclass
 class Drafter:
-  """A drafter: its (static) config and its parameters, passable through `jax.jit`."""
+  """A drafter: its (static) config and its parameters, passable through `jax.jit`.
+
+  `vocab` holds the token ids of a restricted draft vocabulary ([V'] int32, None for the whole
+  vocabulary); `head` is the target's LM head restricted to them ([V', D]), derived once per
+  decode by `with_head` (never stored: the LM head is the target's).
+  """
 
   cfg: DrafterConfig = struct.field(pytree_node=False)
   params: Any
+  vocab: jax.Array | None = None
+  head: jax.Array | None = None
+
+  def with_head(self, target: Target) -> "Drafter":
+    """The drafter with its restricted LM head gathered from the target (once, not per round)."""
+    if self.vocab is None or self.head is not None:
+      return self
+    return self.replace(head=target.head_rows(self.vocab))
+
+  def logits(self, target: Target, g_XD: jax.Array) -> jax.Array:
+    """Float32 draft logits over the draft vocabulary (the target's LM head on g)."""
+    if self.vocab is None:
+      return target.logits(g_XD)
+    head = self.head if self.head is not None else target.head_rows(self.vocab)
+    f32 = dict(preferred_element_type=jnp.float32)
+    return jnp.einsum("...D,VD->...V", g_XD.astype(head.dtype), head, **f32)
+
+  def token_ids(self, index_X: jax.Array) -> jax.Array:
+    """Token ids of draft-vocabulary indices."""
+    return index_X if self.vocab is None else jnp.take(self.vocab, index_X)
 
   def apply(self, *args, method=None):
     return module(self.cfg).apply({"params": self.params}, *args, method=method)
@@ -247,9 +282,11 @@ class Drafter:
 
 
 def random_drafter(kind: str, target: Target, key: jax.Array, **overrides) -> Drafter:
-  """An untrained drafter of `kind` for `target` (seeded by `key`)."""
+  """An untrained drafter of `kind` for `target` (seeded by `key`); a restricted draft
+  vocabulary is the first `draft_vocab_size` token ids."""
   cfg = DrafterConfig.for_target(kind, target.cfg, **overrides)
-  return Drafter(cfg=cfg, params=init_params(cfg, key))
+  vocab = jnp.arange(cfg.draft_vocab_size, dtype=jnp.int32) if cfg.draft_vocab_size else None
+  return Drafter(cfg=cfg, params=init_params(cfg, key), vocab=vocab)
 
 
 @struct.dataclass
@@ -286,11 +323,11 @@ def pspec_mask(count_B: jax.Array, num_real: int, num_slots: int) -> jax.Array:
   return jnp.where(real_key, slot_sees_real | real_sees_real, (j <= i) & (i >= num_real))
 
 
-def _top_candidates(target: Target, g_BPD, num_candidates):
+def _top_candidates(drafter: Drafter, target: Target, g_BPD, num_candidates):
   """Top tokens and their draft log-probabilities at every depth: [B, P, k] each."""
-  logp = jax.nn.log_softmax(target.logits(g_BPD), axis=-1)
-  logp_k, tokens_k = jax.lax.top_k(logp, num_candidates)
-  return tokens_k.astype(jnp.int32), logp_k
+  logp = jax.nn.log_softmax(drafter.logits(target, g_BPD), axis=-1)
+  logp_k, index_k = jax.lax.top_k(logp, num_candidates)
+  return drafter.token_ids(index_k).astype(jnp.int32), logp_k
 
 
 def _nodes_from_candidates(tokens_BPk, logp_BPk, pool: tree_lib.Tree):
@@ -321,7 +358,8 @@ def _propose_pspec(drafter, target, cache, pairs, context, pool):
   g, (k, v) = drafter.apply(x, positions, pspec_mask(pairs.count, num_real, depth - 1), cache)
   cache = cache.write((k[:, :, :num_real], v[:, :, :num_real]), pairs.count)
   g_BPD = jnp.concatenate([pairs.last(g[:, :num_real]), g[:, num_real:]], axis=1)
-  return cache, _nodes_from_candidates(*_top_candidates(target, g_BPD, pool.num_candidates), pool)
+  candidates = _top_candidates(drafter, target, g_BPD, pool.num_candidates)
+  return cache, _nodes_from_candidates(*candidates, pool)
 
 
 def _propose_eagle(drafter, target, cache, pairs, context, pool):
@@ -347,7 +385,7 @@ def _propose_eagle(drafter, target, cache, pairs, context, pool):
     # Children of the depth-d nodes (their g is known) take their parent's top-k.
     parents = (a.depth == d).nonzero()[0]
     children = (a.depth == d + 1).nonzero()[0]
-    tokens_k, logp_k = _top_candidates(target, node_g[:, parents], k)
+    tokens_k, logp_k = _top_candidates(drafter, target, node_g[:, parents], k)
     slot = a.parent[children] - parents[0]
     node_tokens = node_tokens.at[:, children].set(tokens_k[:, slot, a.rank[children]])
     node_logp = node_logp.at[:, children].set(logp_k[:, slot, a.rank[children]])
@@ -365,7 +403,8 @@ def _propose_eagle(drafter, target, cache, pairs, context, pool):
 
 def _propose_medusa(drafter, target, cache, pairs, context, pool):
   h_BPD = drafter.apply(pairs.last(pairs.features)[:, 0])[:, : pool.depth]
-  return cache, _nodes_from_candidates(*_top_candidates(target, h_BPD, pool.num_candidates), pool)
+  candidates = _top_candidates(drafter, target, h_BPD, pool.num_candidates)
+  return cache, _nodes_from_candidates(*candidates, pool)
 
 
 def pld_candidates(tokens_BW, num_tokens_B, num_draft, max_ngram):

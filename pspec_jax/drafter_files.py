@@ -2,7 +2,8 @@
 
 The JSON records the drafter's kind, K, tree preset, layer widths and the identity of the
 target it was built for (name, vocab size, feature width); loading it against another target
-is one clear error. Parameters are stored flat (`block/attn/q`, ...), in float32 or bfloat16.
+is one clear error. Parameters are stored flat (`block/attn/q`, ...), in float32 or bfloat16,
+next to the token ids of a restricted draft vocabulary (`draft_vocab`), if the drafter has one.
 """
 
 import json
@@ -20,6 +21,9 @@ from pspec_jax.llama import RopeScaling, Target
 FORMAT_VERSION = 1
 CONFIG_FILE = "drafter.json"
 PARAMS_FILE = "drafter.safetensors"
+VOCAB_TENSOR = "draft_vocab"  # int32 token ids of a restricted draft vocabulary
+# Drafters trained by the project, by target name and kind: drafters/<target>/<kind>/.
+SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "drafters")
 _LAYER_FIELDS = {  # name -> type
   "num_heads": int,
   "num_kv_heads": int,
@@ -50,13 +54,16 @@ def save_drafter(
     layer={f: getattr(cfg, f) for f in _LAYER_FIELDS}
     | dict(rope_scaling=None if cfg.rope_scaling is None else vars(cfg.rope_scaling)),
     max_ngram=cfg.max_ngram,
+    draft_vocab_size=cfg.draft_vocab_size,
   ) | (extra or {})
   os.makedirs(directory, exist_ok=True)
   flat = traverse_util.flatten_dict(jax.device_get(drafter.params), sep="/")
-  save_file(
-    {k: np.ascontiguousarray(np.asarray(v, np.float32).astype(dtype)) for k, v in flat.items()},
-    os.path.join(directory, PARAMS_FILE),
-  )
+  tensors = {
+    k: np.ascontiguousarray(np.asarray(v, np.float32).astype(dtype)) for k, v in flat.items()
+  }
+  if drafter.vocab is not None:
+    tensors[VOCAB_TENSOR] = np.asarray(drafter.vocab, np.int32)
+  save_file(tensors, os.path.join(directory, PARAMS_FILE))
   with open(os.path.join(directory, CONFIG_FILE), "w") as fh:
     json.dump(config, fh, indent=2)
 
@@ -93,6 +100,7 @@ def load_drafter(directory: str, target: Target) -> Drafter:
       num_draft=int(config.get("num_draft", 1)),
       tree=str(config.get("tree", "chain")),
       max_ngram=int(config.get("max_ngram", 3)),
+      draft_vocab_size=int(config.get("draft_vocab_size", 0)),
       rope_scaling=None if scaling is None else RopeScaling(**scaling),
       **{f: kind(layer[f]) for f, kind in _LAYER_FIELDS.items() if f in layer},
     )
@@ -101,14 +109,29 @@ def load_drafter(directory: str, target: Target) -> Drafter:
   expected = traverse_util.flatten_dict(
     jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))), sep="/"
   )
+  if cfg.draft_vocab_size:
+    expected[VOCAB_TENSOR] = jax.ShapeDtypeStruct((cfg.draft_vocab_size,), np.int32)
   stored = read_safetensors(os.path.join(directory, PARAMS_FILE)) if expected else {}
   params = {}
   for name, spec in expected.items():
     if name not in stored or tuple(stored[name].shape) != spec.shape:
       got = stored[name].shape if name in stored else "nothing"
       raise ValueError(f"drafter {directory}: tensor {name} should be {spec.shape}, found {got}")
-    params[name] = jnp.asarray(np.asarray(stored[name], np.float32), cfg.param_dtype)
-  return Drafter(cfg=cfg, params=traverse_util.unflatten_dict(params, sep="/"))
+    params[name] = stored[name]
+  vocab = None
+  if cfg.draft_vocab_size:
+    vocab = np.asarray(params.pop(VOCAB_TENSOR))
+    if vocab.min() < 0 or vocab.max() >= t.vocab_size or len(set(vocab.tolist())) < len(vocab):
+      raise ValueError(f"drafter {directory}: corrupt draft vocabulary ({VOCAB_TENSOR})")
+    vocab = jnp.asarray(vocab, jnp.int32)
+  params = {k: jnp.asarray(np.asarray(v, np.float32), cfg.param_dtype) for k, v in params.items()}
+  return Drafter(cfg=cfg, params=traverse_util.unflatten_dict(params, sep="/"), vocab=vocab)
+
+
+def shipped_drafter(target_name: str, kind: str) -> str | None:
+  """The directory of the drafter of `kind` shipped for a target, or None."""
+  path = os.path.join(SHIPPED_DIR, target_name, kind)
+  return path if os.path.isfile(os.path.join(path, CONFIG_FILE)) else None
 
 
 def resolve_drafter(
@@ -119,6 +142,7 @@ def resolve_drafter(
   Args:
     method: `none` (no drafter) or a drafter kind.
     spec: a drafter directory, or `random` for an untrained drafter (seeded); pld needs none.
+      None or empty: the drafter of this kind shipped for the target, if there is one.
     target: the target it drafts for.
     seed: seeds a random drafter.
     num_draft: K of a random or pld drafter (a saved drafter keeps its own).
@@ -132,8 +156,12 @@ def resolve_drafter(
   if method == "pld":
     cfg = DrafterConfig.for_target("pld", target.cfg, num_draft=num_draft)
     return Drafter(cfg=cfg, params={})
+  spec = spec or shipped_drafter(target.cfg.name, method)
   if not spec:
-    raise ValueError(f"--method={method} needs --drafter (a drafter directory, or random)")
+    raise ValueError(
+      f"--method={method} needs --drafter (a drafter directory, or random): no {method} "
+      f"drafter ships for target {target.cfg.name!r}"
+    )
   if spec == "random":
     return random_drafter(method, target, jax.random.key(seed), num_draft=num_draft)
   drafter = load_drafter(spec, target)

@@ -231,9 +231,10 @@ class Attention(nn.Module):
       out = jnp.einsum("BTKGU,BUKH->BTKGH", probs, v_BTKH)
     return self._out(out.reshape(b, t, n, h)), (k_BTKH, v_BTKH)
 
-  def grouped(self, x_BAPD, positions_BAP, prefix_kv, prefix_len_BA):
-    """A groups of P queries each: group a sees prefix keys [0, prefix_len[b, a]) and, causally,
-    its own P queries. The training layout of mask slots: cost A*P*(S + P), not (A*P)^2."""
+  def grouped(self, x_BAPD, positions_BAP, prefix_kv, prefix_mask_BAS):
+    """A groups of P queries each: group a sees the prefix keys where prefix_mask[b, a] and,
+    causally, its own P queries. The training layout of mask slots: cost A*P*(S + P), not
+    (A*P)^2."""
     cfg = self.cfg
     n, k, h, dt = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype
     b, a, p = x_BAPD.shape[:3]
@@ -245,8 +246,7 @@ class Attention(nn.Module):
     prefix = jnp.einsum("BAPKGH,BSKH->BKGAPS", q_BAPKGH, k_BSKH.astype(dt), **f32) * scale
     own = jnp.einsum("BAPKGH,BAQKH->BKGAPQ", q_BAPKGH, k_BAPKH, **f32) * scale
     low = jnp.finfo(jnp.float32).min
-    visible_BAS = jnp.arange(k_BSKH.shape[1]) < prefix_len_BA[..., None]
-    prefix = jnp.where(visible_BAS[:, None, None, :, None, :], prefix, low)
+    prefix = jnp.where(prefix_mask_BAS[:, None, None, :, None, :], prefix, low)
     own = jnp.where(jnp.tril(jnp.ones((p, p), jnp.bool_)), own, low)
     probs = jax.nn.softmax(jnp.concatenate([prefix, own], axis=-1), axis=-1).astype(dt)
     s = k_BSKH.shape[1]
@@ -291,10 +291,10 @@ class Block(nn.Module):
     x_BTD = nn.with_logical_constraint(x_BTD, ("batch", "length", "embed"))
     return x_BTD, kv
 
-  def grouped(self, x_BAPD, positions_BAP, prefix_kv, prefix_len_BA):
+  def grouped(self, x_BAPD, positions_BAP, prefix_kv, prefix_mask_BAS):
     """The layer over groups of queries (`Attention.grouped`)."""
     x_BAPD = x_BAPD + self.attn.grouped(
-      self.attn_norm(x_BAPD), positions_BAP, prefix_kv, prefix_len_BA
+      self.attn_norm(x_BAPD), positions_BAP, prefix_kv, prefix_mask_BAS
     )
     return x_BAPD + self.mlp(self.mlp_norm(x_BAPD))
 
@@ -434,6 +434,12 @@ class Target:
 
   def logits(self, features_BTD: jax.Array) -> jax.Array:
     return Llama(self.cfg).apply({"params": self.params}, features_BTD, method=Llama.logits)
+
+  def head_rows(self, token_ids: jax.Array) -> jax.Array:
+    """The LM head's rows for some tokens, [V', D] in the compute dtype (a restricted head)."""
+    p = self.params
+    rows = p["embedding"][token_ids] if self.cfg.tie_embeddings else p["lm_head"][:, token_ids].T
+    return rows.astype(self.cfg.dtype)
 
   def embed(self, tokens_BT: jax.Array) -> jax.Array:
     """Token embeddings [B, T, D] (shared with drafters)."""

@@ -12,8 +12,9 @@ the teacher position whose distribution it is distilled towards, a loss weight a
 - eagle: the real pairs alone (depth 1), plus feature regression g_t ~ f[t+1].
 - medusa: head d on f[t] -> teacher t+d (it predicts x[t+d+1]), depth d.
 
-A row's weight is the loss mask of the token it predicts: 1 on assistant tokens within the
-sequence, 0 in the prompt, on padding and past the end.
+A row's weight is the loss mask of the token it predicts: 1 on assistant tokens of the row's
+own conversation, 0 in the prompt, on padding and past the end. Rows of S tokens may hold
+several conversations (packing): attention, RoPE positions and weights never cross them.
 """
 
 import dataclasses
@@ -60,17 +61,19 @@ class LossConfig:
 
 @struct.dataclass
 class SlotLayout:
-  """Where pspec's mask slots go in a batch of sequences of S tokens.
+  """Where pspec's mask slots go in a batch of rows of S tokens.
 
-  anchors: [B, A] real-pair index a of each group; slots (a, d) sit at positions a + d.
-  positions: [B, A, P] RoPE positions a + d, d = 1..P (P = K - 1).
-  visible: [B, A] real pairs each group sees (those with position <= a, i.e. a + 1).
-  teacher: [B, A, P] teacher position a + d + 1 of every slot.
-  weight: [B, A, P] loss weight: the loss mask of x[a + d + 2].
+  anchors: [B, A] real-pair index a of each group; its slots (a, d), d = 1..P (P = K - 1).
+  positions: [B, A, P] RoPE positions pos(a) + d (pos: the position inside a's conversation).
+  first, visible: [B, A] the real pairs a group sees, [first, visible): those of its own
+    conversation with position <= pos(a).
+  teacher: [B, A, P] teacher index a + d + 1 of every slot.
+  weight: [B, A, P] loss weight: the loss mask of x[a + d + 2], if in a's conversation.
   """
 
   anchors: jax.Array
   positions: jax.Array
+  first: jax.Array
   visible: jax.Array
   teacher: jax.Array
   weight: jax.Array
@@ -82,12 +85,35 @@ def shifted(x_BS: jax.Array, by: int) -> jax.Array:
   return jnp.concatenate([x_BS[:, by:], pad], axis=1)
 
 
-def real_weights(loss_mask_BS: jax.Array, depth: int = 1) -> jax.Array:
-  """Weight of the row at t that predicts x[t + depth + 1]."""
-  return shifted(loss_mask_BS, depth + 1).astype(jnp.float32)
+def segment_starts(segments_BS: jax.Array) -> jax.Array:
+  """Index of the first token of each token's conversation (rows hold packed conversations)."""
+  index = jnp.arange(segments_BS.shape[1], dtype=jnp.int32)
+  previous = jnp.concatenate([jnp.full_like(segments_BS[:, :1], -1), segments_BS[:, :-1]], 1)
+  return jax.lax.cummax(jnp.where(segments_BS != previous, index, 0), axis=1)
 
 
-def slot_layout(loss_mask_BS: jax.Array, num_slots: int, num_anchors: int, key) -> SlotLayout:
+def segment_positions(segments_BS: jax.Array) -> jax.Array:
+  """RoPE positions: 0, 1, ... restarting at every conversation of a packed row."""
+  return jnp.arange(segments_BS.shape[1], dtype=jnp.int32) - segment_starts(segments_BS)
+
+
+def segment_mask(segments_BS: jax.Array) -> jax.Array:
+  """[B, S, S] causal attention within each conversation."""
+  s = segments_BS.shape[1]
+  same = segments_BS[:, :, None] == segments_BS[:, None, :]
+  return same & jnp.tril(jnp.ones((s, s), jnp.bool_))
+
+
+def real_weights(loss_mask_BS: jax.Array, segments_BS: jax.Array, depth: int = 1) -> jax.Array:
+  """Weight of the row at t that predicts x[t + depth + 1] (in t's own conversation)."""
+  ahead = depth + 1
+  same = shifted(segments_BS, ahead) == segments_BS
+  return (shifted(loss_mask_BS, ahead) & same).astype(jnp.float32)
+
+
+def slot_layout(
+  loss_mask_BS: jax.Array, segments_BS: jax.Array, num_slots: int, num_anchors: int, key
+) -> SlotLayout:
   """Chooses anchors and lays out their mask slots (jittable, shapes static).
 
   With `num_anchors` = 0 every pair anchors a group. Otherwise `num_anchors` anchors are drawn
@@ -98,21 +124,24 @@ def slot_layout(loss_mask_BS: jax.Array, num_slots: int, num_anchors: int, key) 
   if num_anchors == 0:
     anchors = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
   else:
-    useful = shifted(loss_mask_BS, 3)
-    score = jax.random.uniform(key, (b, s)) + useful.astype(jnp.float32)
+    useful = real_weights(loss_mask_BS, segments_BS, 2)
+    score = jax.random.uniform(key, (b, s)) + useful
     anchors = jax.lax.top_k(score, min(num_anchors, s))[1].astype(jnp.int32)
   d = jnp.arange(1, num_slots + 1, dtype=jnp.int32)
-  positions = anchors[..., None] + d
-  # Slot (a, d) predicts x[a + d + 2]: its weight is that token's loss mask (0 past the end).
-  target_index = positions + 1
-  padded = jnp.concatenate([loss_mask_BS, jnp.zeros((b, 1), loss_mask_BS.dtype)], axis=1)
-  flat = jnp.minimum(target_index + 1, s).reshape(b, -1)
-  weight = jnp.take_along_axis(padded, flat, axis=1).reshape(target_index.shape)
+  take = lambda x_BS, index: jnp.take_along_axis(x_BS, index.reshape(b, -1), 1).reshape(index.shape)
+  first = take(segment_starts(segments_BS), anchors)
+  # Slot (a, d) predicts x[a + d + 2]: its weight is that token's loss mask, if it belongs to
+  # a's conversation (0 past the end).
+  predicts = anchors[..., None] + d + 2
+  inside = jnp.minimum(predicts, s - 1)
+  same = take(segments_BS, inside) == take(segments_BS, anchors)[..., None]
+  weight = take(loss_mask_BS, inside) & same & (predicts < s)
   return SlotLayout(
     anchors=anchors,
-    positions=positions,
+    positions=(anchors - first)[..., None] + d,
+    first=first,
     visible=anchors + 1,
-    teacher=jnp.minimum(target_index, s - 1),
+    teacher=jnp.minimum(anchors[..., None] + d + 1, s - 1),
     weight=weight.astype(jnp.float32),
   )
 
@@ -200,29 +229,35 @@ def loss(rows: Rows, logits_fn, num_depths: int, cfg: LossConfig):
   return total, stats
 
 
-def distill_rows(drafter, target, tokens_BS, loss_mask_BS, key, cfg: LossConfig):
+def distill_rows(drafter, target, batch: dict, key, cfg: LossConfig):
   """Runs the frozen target and the drafter over a batch: (Rows, feature regression loss).
 
   Args:
     drafter: a `drafter.Drafter` of kind pspec, eagle or medusa (parameters being trained).
     target: the frozen `llama.Target` (gradients stop at its features).
-    tokens_BS: int tokens, right-padded.
-    loss_mask_BS: bool, True on tokens the drafter should learn to predict.
+    batch: `tokens` [B, S] int, `loss_mask` [B, S] bool (True on tokens the drafter should
+      learn to predict) and `segments` [B, S] int (the conversations packed into each row,
+      numbered from 1; 0 is padding); optionally `features` [B, S, D], the target's
+      features of these tokens computed beforehand, in which case the target is not run.
     key: draws the pspec anchors.
     cfg: the loss settings.
   """
   from pspec_jax.drafter import FeatureDrafter
 
+  tokens_BS, loss_mask_BS, segments_BS = batch["tokens"], batch["loss_mask"], batch["segments"]
   b, s = tokens_BS.shape
-  positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-  features, _ = target(tokens_BS, positions)
+  positions, mask = segment_positions(segments_BS), segment_mask(segments_BS)
+  if "features" in batch:
+    features = batch["features"].astype(target.cfg.dtype)
+  else:
+    features, _ = target(tokens_BS, positions, None, mask)
   features = jax.lax.stop_gradient(features)
   kind, k = drafter.cfg.kind, drafter.cfg.num_draft
   if kind == "medusa":
     heads_BSKD = drafter.apply(features.reshape(b * s, -1)).reshape(b, s, k, -1)
     depth = np.arange(1, k + 1)
     teacher = np.minimum(np.arange(s)[:, None] + depth, s - 1)  # [S, K]: t + d
-    weight = jnp.stack([real_weights(loss_mask_BS, int(d)) for d in depth], axis=-1)
+    weight = jnp.stack([real_weights(loss_mask_BS, segments_BS, int(d)) for d in depth], -1)
     rows = Rows(
       draft=heads_BSKD,
       teacher=features[:, teacher],
@@ -234,11 +269,13 @@ def distill_rows(drafter, target, tokens_BS, loss_mask_BS, key, cfg: LossConfig)
     raise ValueError(f"a {kind} drafter has nothing to train")
   layout = None
   if kind == "pspec" and k > 1:
-    layout = slot_layout(loss_mask_BS, k - 1, cfg.anchors, key)
+    layout = slot_layout(loss_mask_BS, segments_BS, k - 1, cfg.anchors, key)
   embeds = target.embed(shifted(tokens_BS, 1))
-  g_real, g_slots = drafter.apply(embeds, features, layout, method=FeatureDrafter.train_forward)
+  g_real, g_slots = drafter.apply(
+    embeds, features, positions, mask, layout, method=FeatureDrafter.train_forward
+  )
   next_features = shifted(features, 1)
-  real_weight = real_weights(loss_mask_BS, 1)
+  real_weight = real_weights(loss_mask_BS, segments_BS, 1)
   rows = [Rows(g_real, next_features, real_weight, jnp.ones((b, s), jnp.int32))]
   if layout is not None:
     teacher = jnp.take_along_axis(features, layout.teacher.reshape(b, -1)[..., None], axis=1)

@@ -101,7 +101,7 @@ def test_heldout_split_is_fixed_and_about_the_right_size():
 def test_batches_are_a_function_of_the_step():
   n = 10
   tokens = np.arange(n * 4, dtype=np.int32).reshape(n, 4)
-  d = data.TokenData(tokens=tokens, loss_mask=tokens % 2 == 0, lengths=np.full(n, 4, np.int32))
+  d = data.TokenData(tokens=tokens, loss_mask=tokens % 2 == 0, segments=np.ones_like(tokens))
   first = [d.batch(step, 3, seed=1)["tokens"][:, 0] // 4 for step in range(8)]
   again = [d.batch(step, 3, seed=1)["tokens"][:, 0] // 4 for step in range(8)]
   assert all((a == b).all() for a, b in zip(first, again, strict=True))
@@ -114,11 +114,54 @@ def test_batches_are_a_function_of_the_step():
 def test_sharegpt_conversations_render_with_the_real_template(smollm2):
   _, tokenizer = smollm2
   conversations = data.read_conversations("sharegpt")[:8]
-  tokens = data.tokenise(conversations, tokenizer, seq_len=256)
+  tokens = data.tokenise(conversations, tokenizer, seq_len=256, packed=False)
   assert tokens.tokens.shape[1] == 256 and len(tokens) >= 4
-  row = tokens.tokens[0][: tokens.lengths[0]]
-  trained = row[tokens.loss_mask[0][: tokens.lengths[0]]]
+  length = int((tokens.segments[0] > 0).sum())
+  row = tokens.tokens[0][:length]
+  trained = row[tokens.loss_mask[0][:length]]
   first = int(np.argmax(tokens.loss_mask[0]))
   # Training starts right after the generation prompt "<|im_start|>assistant\n".
   assert tokenizer.decode(row[:first]).endswith("<|im_start|>assistant\n")
   assert "<|im_start|>" not in tokenizer.decode(trained)
+
+
+def test_pack_is_best_fit_and_never_overflows():
+  rng = np.random.default_rng(0)
+  lengths = rng.integers(1, 65, size=300).tolist()
+  rows = data.pack(lengths, 64)
+  assert sorted(i for row in rows for i in row) == list(range(300))  # each exactly once
+  assert all(sum(lengths[i] for i in row) <= 64 for row in rows)
+  assert all(row == sorted(row) for row in rows)  # conversations keep their order in a row
+  # Best fit wastes little: within 10% of the lower bound on rows.
+  assert len(rows) <= 1.1 * sum(lengths) / 64 + 1
+  assert data.pack([30, 40, 30, 34], 64) == [[0, 2], [1], [3]]
+
+
+def test_packed_rows_keep_each_conversation_whole():
+  conversations = [
+    {"id": str(i), "turns": [dict(TURNS[0], content="x" * i), TURNS[1]]} for i in range(1, 9)
+  ]
+  packed = data.tokenise(conversations, CharTokenizer(), seq_len=40)
+  alone = data.tokenise(conversations, CharTokenizer(), seq_len=40, packed=False)
+  assert len(packed) < len(alone) == 8
+  pieces = []
+  for tokens, mask, segments in zip(packed.tokens, packed.loss_mask, packed.segments, strict=True):
+    for segment in range(1, segments.max() + 1):
+      where = segments == segment
+      assert where.nonzero()[0].tolist() == list(
+        range(where.argmax(), where.argmax() + where.sum())
+      )
+      pieces.append(("".join(map(chr, tokens[where])), mask[where].tolist()))
+  for tokens, mask, segments in zip(alone.tokens, alone.loss_mask, alone.segments, strict=True):
+    where = segments == 1
+    assert ("".join(map(chr, tokens[where])), mask[where].tolist()) in pieces
+  assert len(pieces) == 8
+
+
+def test_frequent_tokens_and_coverage():
+  tokens = np.array([[5, 5, 5, 2, 2, 9, 7, 0]], np.int32)
+  mask = np.array([[1, 1, 1, 1, 1, 1, 0, 0]], bool)
+  d = data.TokenData(tokens=tokens, loss_mask=mask, segments=np.ones_like(tokens))
+  vocab = data.frequent_tokens(d, 3)
+  assert vocab.tolist() == [5, 2, 9] and vocab.dtype == np.int32
+  assert data.coverage(d, vocab[:2]) == pytest.approx(5 / 6)

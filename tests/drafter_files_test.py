@@ -34,15 +34,21 @@ SETTINGS = {
     ),
     rms_norm_eps=1e-6,
   ),
-  "eagle": dict(num_draft=3, tree="dynamic:5"),
-  "medusa": dict(num_draft=4, tree="sparse8"),
+  "eagle": dict(num_draft=3, tree="dynamic:5", draft_vocab_size=11),
+  "medusa": dict(num_draft=4, tree="sparse8", draft_vocab_size=7),
   "pld": dict(num_draft=5, tree="chain", max_ngram=4),
 }
 
 
 def make_drafter(kind, target, seed=1):
+  """A random drafter; eagle's and medusa's draft from a shuffled subset of the vocabulary."""
   cfg = drafter_lib.DrafterConfig.for_target(kind, target.cfg, **SETTINGS[kind])
-  return drafter_lib.Drafter(cfg=cfg, params=drafter_lib.init_params(cfg, jax.random.key(seed)))
+  vocab = None
+  if cfg.draft_vocab_size:
+    ids = jax.random.permutation(jax.random.key(seed + 1), cfg.vocab_size)
+    vocab = ids[: cfg.draft_vocab_size].astype(np.int32)
+  params = drafter_lib.init_params(cfg, jax.random.key(seed))
+  return drafter_lib.Drafter(cfg=cfg, params=params, vocab=vocab)
 
 
 def flat(params):
@@ -55,6 +61,11 @@ def test_save_then_load_round_trips(target, tmp_path, kind):
   drafter_files.save_drafter(str(tmp_path), drafter)
   loaded = drafter_files.load_drafter(str(tmp_path), target)
   assert loaded.cfg == drafter.cfg
+  if drafter.vocab is None:
+    assert loaded.vocab is None
+  else:
+    assert loaded.vocab.dtype == np.int32
+    assert loaded.vocab.tolist() == drafter.vocab.tolist()
   original, restored = flat(drafter.params), flat(loaded.params)
   assert restored.keys() == original.keys()
   assert (len(original) == 0) == (kind == "pld")
@@ -144,6 +155,16 @@ def test_draft_length_that_does_not_match_the_tensors(saved, target):
   (saved / drafter_files.CONFIG_FILE).write_text(json.dumps(config | {"num_draft": 6}))
   with pytest.raises(ValueError, match=r"tensor mask_slots should be \(5, 32\), found \(3, 32\)"):
     drafter_files.load_drafter(str(saved), target)
+
+
+@pytest.mark.parametrize(
+  "ids", [[0, 1, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 16], [-1, 0, 1, 2, 3, 4, 5]]
+)
+def test_corrupt_draft_vocabulary(target, tmp_path, ids):
+  drafter_files.save_drafter(str(tmp_path), make_drafter("medusa", target))
+  rewrite_params(tmp_path, lambda t: t.update(draft_vocab=np.asarray(ids, np.int32)))
+  with pytest.raises(ValueError, match="corrupt draft vocabulary"):
+    drafter_files.load_drafter(str(tmp_path), target)
 
 
 def test_truncated_safetensors(saved, target):

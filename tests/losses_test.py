@@ -12,20 +12,27 @@ from pspec_jax import drafter as drafter_lib
 from pspec_jax import losses
 from train import step as step_lib
 
-S = 12  # sequence length of the layout tests
+S = 12  # row length of the layout tests
 
 
-def _loss_mask(batch, seed):
-  """Prompt then answer per row (answers start at varied places, some rows end early)."""
+def _rows(batch, seed):
+  """Loss masks and segments: row 0 holds one conversation, the others two or three packed
+  ones (and padding); each conversation is a prompt, then an answer."""
   rng = np.random.default_rng(seed)
   mask = np.zeros((batch, S), bool)
+  segments = np.zeros((batch, S), np.int32)
   for row in range(batch):
-    start, end = sorted(rng.choice(np.arange(1, S + 1), 2, replace=False))
-    mask[row, start:end] = True
-  return mask
+    cuts = [0, S] if row == 0 else sorted({0, *rng.choice(np.arange(3, S), row, replace=False)})
+    for segment, (start, end) in enumerate(zip(cuts, cuts[1:] + [S], strict=False), 1):
+      if end <= start:
+        continue
+      segments[row, start:end] = segment if end < S or row == 0 else 0  # last one: padding
+      answer = start + max(1, (end - start) // 3)
+      mask[row, answer:end] = segments[row, start] > 0
+  return mask, segments
 
 
-def _reference_layout(anchors, num_slots, loss_mask):
+def _reference_layout(anchors, num_slots, loss_mask, segments):
   """Per slot (b, i, d): position, teacher index, weight, and the keys it may see, by loops.
 
   Keys are numbered as in one flat sequence: real pairs 0..S-1, then group i's slots at
@@ -37,86 +44,110 @@ def _reference_layout(anchors, num_slots, loss_mask):
   weight = np.zeros(position.shape, np.float32)
   visible = np.zeros((b, S + a * num_slots, S + a * num_slots), bool)
   for row in range(b):
+    seg = segments[row]
+    start = [min(u for u in range(S) if seg[u] == seg[t]) for t in range(S)]
     for t in range(S):
       for u in range(S):
-        visible[row, t, u] = u <= t  # real pairs: causal among themselves, never slots
+        # Real pairs: causal within their conversation, never slots.
+        visible[row, t, u] = u <= t and seg[u] == seg[t]
     for i in range(a):
       anchor = anchors[row, i]
       for d in range(1, num_slots + 1):
         me = S + i * num_slots + d - 1
-        position[row, i, d - 1] = anchor + d
+        position[row, i, d - 1] = anchor - start[anchor] + d  # positions restart per conversation
         predicts = anchor + d + 2  # slot (a, d) predicts x[a + d + 2] ...
         teacher[row, i, d - 1] = min(predicts - 1, S - 1)  # ... distilled from p_{a+d+1}
-        weight[row, i, d - 1] = loss_mask[row, predicts] if predicts < S else 0.0
+        inside = predicts < S and seg[predicts] == seg[anchor]
+        weight[row, i, d - 1] = loss_mask[row, predicts] if inside else 0.0
         for u in range(S):
-          visible[row, me, u] = u <= anchor  # real pairs with position <= a
+          visible[row, me, u] = u <= anchor and seg[u] == seg[anchor]
         for e in range(1, d + 1):
           visible[row, me, S + i * num_slots + e - 1] = True  # own group, d' <= d
   return position, teacher, weight, visible
 
 
+def _layout(loss_mask, segments, num_draft, num_anchors, seed):
+  return losses.slot_layout(
+    jnp.asarray(loss_mask), jnp.asarray(segments), num_draft - 1, num_anchors, jax.random.key(seed)
+  )
+
+
 @pytest.mark.parametrize(("num_draft", "num_anchors"), [(2, 0), (4, 5), (5, S), (3, 1)])
 def test_slot_layout_matches_the_reference(num_draft, num_anchors):
-  loss_mask = _loss_mask(3, seed=num_draft)
-  layout = losses.slot_layout(
-    jnp.asarray(loss_mask), num_draft - 1, num_anchors, jax.random.key(num_anchors)
-  )
+  loss_mask, segments = _rows(3, seed=num_draft)
+  layout = _layout(loss_mask, segments, num_draft, num_anchors, num_anchors)
   anchors = np.asarray(layout.anchors)
   a = num_anchors or S
   assert anchors.shape == (3, a)
+  position, teacher, weight, visible = _reference_layout(
+    anchors, num_draft - 1, loss_mask, segments
+  )
   for row in range(3):
     assert len(set(anchors[row])) == a  # drawn without replacement
     # Anchors whose first slot is trained come first: all of them when there are enough.
-    useful = {t for t in range(S - 3) if loss_mask[row, t + 3]}
+    useful = {
+      t for t in range(S - 3) if loss_mask[row, t + 3] and segments[row, t + 3] == segments[row, t]
+    }
     assert len(useful & set(anchors[row])) == min(len(useful), a)
-  position, teacher, weight, _ = _reference_layout(anchors, num_draft - 1, loss_mask)
   np.testing.assert_array_equal(layout.positions, position)
   np.testing.assert_array_equal(layout.teacher, teacher)
   np.testing.assert_array_equal(layout.weight, weight)
-  np.testing.assert_array_equal(layout.visible, anchors + 1)
+  # The real pairs each group sees: [first, visible).
+  for row in range(3):
+    for i in range(len(anchors[row])):
+      sees = visible[row, S + i * (num_draft - 1), :S]
+      assert sees.nonzero()[0].tolist() == list(range(layout.first[row, i], layout.visible[row, i]))
 
 
-def _flat_forward(module, embeds, features, positions, mask):
-  """The drafter over one flat sequence (pairs, then every group's slots) and a full mask."""
-  u = module.pairs(embeds, features)
-  b, a, p = positions.shape[0], *positions.shape[1:]
-  slots = jnp.broadcast_to(module.slots()[:p], (b, a, p, u.shape[-1])).reshape(b, a * p, -1)
-  flat_positions = jnp.concatenate(
-    [jnp.broadcast_to(jnp.arange(S), (b, S)), positions.reshape(b, -1)], axis=1
-  )
-  out, _ = module.block(jnp.concatenate([u, slots], 1), None, flat_positions, mask, None)
-  return module.norm(out)
+def test_segment_positions_and_mask():
+  segments = jnp.asarray([[1, 1, 1, 2, 2, 3, 0, 0]])
+  assert losses.segment_positions(segments).tolist() == [[0, 1, 2, 0, 1, 0, 0, 1]]
+  mask = np.asarray(losses.segment_mask(segments))[0]
+  assert mask[4].nonzero()[0].tolist() == [3, 4] and mask[2].nonzero()[0].tolist() == [0, 1, 2]
 
 
 @pytest.mark.parametrize(("num_draft", "num_anchors"), [(2, 0), (4, 5), (5, S)])
 def test_grouped_attention_equals_the_full_parallel_group_mask(num_draft, num_anchors):
   target = make_target(2.0)
   drafter = drafter_lib.random_drafter("pspec", target, jax.random.key(3), num_draft=num_draft)
-  loss_mask = _loss_mask(2, seed=7)
-  tokens = jax.random.randint(jax.random.key(1), (2, S), 0, TINY.vocab_size)
-  layout = losses.slot_layout(jnp.asarray(loss_mask), num_draft - 1, num_anchors, jax.random.key(2))
+  loss_mask, segments = _rows(3, seed=7)
+  tokens = jax.random.randint(jax.random.key(1), (3, S), 0, TINY.vocab_size)
+  layout = _layout(loss_mask, segments, num_draft, num_anchors, 2)
+  segments = jnp.asarray(segments)
+  pair_positions = losses.segment_positions(segments)
+  mask = losses.segment_mask(segments)
   embeds = target.embed(losses.shifted(tokens, 1))
-  features, _ = target(tokens, jnp.broadcast_to(jnp.arange(S), (2, S)))
+  features, _ = target(tokens, pair_positions, None, mask)
   g_real, g_slots = drafter.apply(
-    embeds, features, layout, method=drafter_lib.FeatureDrafter.train_forward
+    embeds, features, pair_positions, mask, layout, method=drafter_lib.FeatureDrafter.train_forward
   )
-  _, _, _, visible = _reference_layout(np.asarray(layout.anchors), num_draft - 1, loss_mask)
-  flat = drafter.apply(
-    embeds, features, layout.positions, jnp.asarray(visible), method=_flat_forward
+  _, _, _, visible = _reference_layout(
+    np.asarray(layout.anchors), num_draft - 1, loss_mask, np.asarray(segments)
   )
-  np.testing.assert_allclose(g_real, flat[:, :S], atol=1e-5)
-  np.testing.assert_allclose(g_slots.reshape(2, -1, TINY.hidden_size), flat[:, S:], atol=1e-5)
+
+  def flat(module):
+    u = module.pairs(embeds, features)
+    a, p = layout.positions.shape[1:]
+    m = jnp.broadcast_to(module.slots()[:p], (3, a, p, u.shape[-1])).reshape(3, a * p, -1)
+    x = jnp.concatenate([u, m], 1)
+    positions = jnp.concatenate([pair_positions, layout.positions.reshape(3, -1)], 1)
+    return module.norm(module.block(x, None, positions, jnp.asarray(visible), None)[0])
+
+  want = drafter.apply(method=flat)
+  np.testing.assert_allclose(g_real, want[:, :S], atol=1e-5)
+  np.testing.assert_allclose(g_slots.reshape(3, -1, TINY.hidden_size), want[:, S:], atol=1e-5)
 
 
-def _reference_rows(kind, num_draft, loss_mask):
-  """(teacher index, weight, depth) of every row a kind trains, by loops."""
+def _reference_rows(kind, num_draft, loss_mask, segments):
+  """(row, teacher index, weight, depth) of every row a kind trains, by loops."""
   rows = []
   for row in range(loss_mask.shape[0]):
     for t in range(S):
       depths = range(1, num_draft + 1) if kind == "medusa" else [1]
       for d in depths:
         predicts = t + d + 1  # pair t / medusa head d at t predicts x[t + d + 1]
-        weight = loss_mask[row, predicts] if predicts < S else 0.0
+        inside = predicts < S and segments[row, predicts] == segments[row, t]
+        weight = loss_mask[row, predicts] if inside else 0.0
         rows.append((row, min(predicts - 1, S - 1), weight, d))
   return rows
 
@@ -125,13 +156,13 @@ def _reference_rows(kind, num_draft, loss_mask):
 def test_rows_of_eagle_and_medusa_match_the_reference(kind):
   target = make_target(2.0)
   drafter = drafter_lib.random_drafter(kind, target, jax.random.key(3), num_draft=3)
-  loss_mask = _loss_mask(2, seed=11)
-  tokens = jax.random.randint(jax.random.key(1), (2, S), 0, TINY.vocab_size)
-  rows, _ = losses.distill_rows(
-    drafter, target, tokens, jnp.asarray(loss_mask), jax.random.key(0), losses.LossConfig()
-  )
-  features, _ = target(tokens, jnp.broadcast_to(jnp.arange(S), (2, S)))
-  reference = _reference_rows(kind, 3, loss_mask)
+  loss_mask, segments = _rows(3, seed=11)
+  tokens = jax.random.randint(jax.random.key(1), (3, S), 0, TINY.vocab_size)
+  batch = dict(tokens=tokens, loss_mask=jnp.asarray(loss_mask), segments=jnp.asarray(segments))
+  rows, _ = losses.distill_rows(drafter, target, batch, jax.random.key(0), losses.LossConfig())
+  seg = jnp.asarray(segments)
+  features, _ = target(tokens, losses.segment_positions(seg), None, losses.segment_mask(seg))
+  reference = _reference_rows(kind, 3, loss_mask, segments)
   assert rows.weight.size == len(reference)
   # Rows with a loss: same depths and teachers (rows without one may carry any teacher).
   kept = np.asarray(rows.weight) > 0
@@ -143,8 +174,34 @@ def test_rows_of_eagle_and_medusa_match_the_reference(kind):
     )
   )
   want = sorted((d, np.asarray(features[b, t]).round(5).tolist()) for b, t, w, d in reference if w)
-  assert got == want
+  assert got == want and len(got) > 5
   np.testing.assert_array_equal(np.asarray(rows.weight)[kept], 1.0)
+
+
+def test_a_packed_row_trains_like_its_conversations_alone():
+  """Packing changes nothing: the rows of a packed conversation equal those of it alone."""
+  target = make_target(2.0)
+  drafter = drafter_lib.random_drafter("eagle", target, jax.random.key(3), num_draft=3)
+  tokens = jax.random.randint(jax.random.key(1), (1, S), 0, TINY.vocab_size)
+  segments = jnp.asarray([[1] * 5 + [2] * 7])
+  mask = jnp.asarray([[0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1]], bool)
+  packed, _ = losses.distill_rows(
+    drafter,
+    target,
+    dict(tokens=tokens, loss_mask=mask, segments=segments),
+    None,
+    losses.LossConfig(),
+  )
+  alone, _ = losses.distill_rows(
+    drafter,
+    target,
+    dict(tokens=tokens[:, 5:], loss_mask=mask[:, 5:], segments=jnp.ones((1, 7), jnp.int32)),
+    None,
+    losses.LossConfig(),
+  )
+  np.testing.assert_allclose(packed.draft[5:], alone.draft, atol=1e-5)
+  np.testing.assert_array_equal(packed.weight[5:], alone.weight)
+  assert packed.weight[4] == 0  # the first conversation's last pair would predict into the next
 
 
 @pytest.mark.parametrize("name", losses.DIVERGENCES)
@@ -192,7 +249,11 @@ def _repeating_batch(batch=4, length=24):
   tokens = np.stack([np.roll(np.resize(phrase, length), -r) for r in range(batch)])
   loss_mask = np.zeros_like(tokens, bool)
   loss_mask[:, 6:] = True
-  return {"tokens": jnp.asarray(tokens, jnp.int32), "loss_mask": jnp.asarray(loss_mask)}
+  return {
+    "tokens": jnp.asarray(tokens, jnp.int32),
+    "loss_mask": jnp.asarray(loss_mask),
+    "segments": jnp.ones(tokens.shape, jnp.int32),
+  }
 
 
 @pytest.mark.parametrize("kind", ["pspec", "eagle", "medusa"])

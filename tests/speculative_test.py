@@ -34,6 +34,30 @@ def test_greedy_speculative_equals_plain_greedy(target, kind, tree):
   np.testing.assert_allclose(spec.tau * spec.rounds, spec.lengths - 1, rtol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["pspec", "eagle", "medusa"])
+def test_a_restricted_draft_vocabulary_stays_lossless_and_drafts_from_it(target, kind):
+  tokens, lengths = padded(PROMPTS)
+  cfg = decode.DecodeConfig(max_new_tokens=24, tree="sparse8")
+  vocab = [9, 2, 14, 5, 7, 0]
+  drafter = drafter_lib.random_drafter(kind, target, jax.random.key(1), draft_vocab_size=6)
+  drafter = drafter.replace(vocab=jnp.asarray(vocab, jnp.int32))
+  plain = decode.generate(target, tokens, lengths, jax.random.key(0), cfg)
+  spec = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter)
+  assert spec.tokens.tolist() == plain.tokens.tolist()
+  assert spec.lengths.tolist() == plain.lengths.tolist()
+  # Every drafted node is a draft-vocabulary token, with the head gathered once or per call.
+  pool = tree_lib.parse("sparse8", 4)
+  pairs = drafter_lib.Pairs(
+    tokens=jnp.asarray([[4, 11, 6]]), features=jnp.ones((1, 3, 32)), count=jnp.asarray([3])
+  )
+  for d in (drafter, drafter.with_head(target)):
+    _, (node_tokens, node_logp) = drafter_lib.propose(
+      d, target, d.empty_cache(1, 16), pairs, (jnp.asarray([[4, 11, 6]]), jnp.asarray([3])), pool
+    )
+    assert set(np.asarray(node_tokens)[:, 1:].ravel().tolist()) <= set(vocab)
+    assert np.isfinite(np.asarray(node_logp)[:, 1:]).all()
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_speculative_equals_plain_greedy_for_one_sequence(target, kind):
   tokens, lengths = padded(PROMPTS[2:3], width=9)

@@ -1,5 +1,7 @@
 """The sharded train step: the same loss and update on 8 fake CPU devices as on one."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +16,8 @@ from train import step as step_lib
 def _batch(batch=8, length=16):
   tokens = jax.random.randint(jax.random.key(5), (batch, length), 0, TINY.vocab_size)
   loss_mask = jnp.arange(length)[None, :] >= jnp.arange(batch)[:, None] % 5 + 2
-  return {"tokens": tokens.astype(jnp.int32), "loss_mask": loss_mask}
+  segments = jnp.where(jnp.arange(length) < length // 2, 1, 2) * jnp.ones((batch, 1), jnp.int32)
+  return {"tokens": tokens.astype(jnp.int32), "loss_mask": loss_mask, "segments": segments}
 
 
 def _one_step(kind, mesh):
@@ -77,12 +80,48 @@ def test_microbatches_average_the_parts():
   _, metrics = step_lib.train_step(state, target.params, batch, key, cfg=config(2))
   # Part j holds rows j, j + 2, ... (each device keeps its own rows).
   parts = [jax.tree.map(lambda x, j=j: x[j::2], batch) for j in range(2)]
-  evals = [step_lib.eval_step(drafter.params, target.params, p, key, cfg=config(1)) for p in parts]
+  fresh = step_lib.init_state(config(1), drafter.params)
+  evals = [step_lib.eval_step(fresh, target.params, p, key, cfg=config(1)) for p in parts]
   assert float(metrics["loss"]) == pytest.approx(
     np.mean([float(e["loss"]) for e in evals]), rel=1e-4
   )
   assert float(metrics["tokens"]) == sum(float(e["tokens"]) for e in evals)
-  whole = step_lib.eval_step(drafter.params, target.params, batch, key, cfg=config(1))
+  whole = step_lib.eval_step(fresh, target.params, batch, key, cfg=config(1))
   np.testing.assert_allclose(
     metrics["agree_per_depth"], whole["agree_per_depth"], rtol=1e-6
   )  # counts add up exactly
+
+
+@pytest.mark.parametrize("kind", ["pspec", "medusa"])
+def test_precomputed_target_features_give_the_same_step(kind, tmp_path):
+  from pspec_jax import data
+  from train import features
+
+  target = make_target(3.0).with_scan_layers(True)
+  drafter = drafter_lib.random_drafter(kind, target, jax.random.key(0), num_draft=3)
+  cfg = step_lib.StepConfig(
+    target=target.cfg,
+    drafter=drafter.cfg,
+    loss=losses.LossConfig(anchors=4, chunk=32),
+    optimizer=step_lib.OptimizerConfig(lr=1e-2, warmup_steps=1, steps=10),
+  )
+  cached = dataclasses.replace(cfg, cached_features=True)
+  assert step_lib.batch_keys(cached) == step_lib.BATCH_KEYS + ("features",)
+  rows = data.TokenData(**{k: np.asarray(v) for k, v in _batch(batch=5).items()})
+  stored = features.target_features(rows, target, str(tmp_path), batch_size=2)  # wraps
+  assert stored.shape == (5, 16, TINY.hidden_size)
+  again = features.target_features(rows, target, str(tmp_path))  # read back, not recomputed
+  assert len(list(tmp_path.iterdir())) == 1 and np.array_equal(again, stored)
+  batch = dataclasses.replace(rows, features=stored).batch(0, 4, seed=3)
+  state = step_lib.init_state(cfg, drafter.params)
+  key = jax.random.key(1)
+  want_state, want = step_lib.train_step(
+    state, target.params, rows.batch(0, 4, seed=3), key, cfg=cfg
+  )
+  got_state, got = step_lib.train_step(state, target.params, batch, key, cfg=cached)
+  assert float(got["loss"]) == pytest.approx(float(want["loss"]), rel=1e-5)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+    got_state.params,
+    want_state.params,
+  )

@@ -79,4 +79,5 @@ def drafter_config(config: ml_collections.ConfigDict, target: llama.LlamaConfig)
     tree=d.tree,
     dtype=dtype(d.dtype),
     param_dtype=dtype(d.param_dtype),
+    draft_vocab_size=d.draft_vocab_size,
   )

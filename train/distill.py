@@ -45,6 +45,7 @@ def step_config(config, scan_layers: bool = True):
       clip_norm=t.clip_norm,
     ),
     microbatches=t.microbatches,
+    cached_features=config.data.cache_features,
   )
 
 
@@ -63,6 +64,8 @@ def _scalars(metrics: dict, prefix: str = "") -> dict:
 
 
 def train(config, workdir: str) -> None:
+  import dataclasses
+
   import jax
   import numpy as np
   import orbax.checkpoint as ocp
@@ -72,7 +75,7 @@ def train(config, workdir: str) -> None:
   from pspec_jax import checkpoints, data, sharding
   from pspec_jax.drafter import Drafter
   from pspec_jax.drafter_files import save_drafter
-  from train import build, metrics_log
+  from train import build, features, metrics_log
   from train import step as step_lib
 
   transformers.logging.set_verbosity_error()
@@ -80,6 +83,8 @@ def train(config, workdir: str) -> None:
   build.check_target_exists(config)
   if config.distributed:
     jax.distributed.initialize()
+    if config.data.cache_features:
+      raise ValueError("data.cache_features is for one host: set it False on a multi-host run")
   main = jax.process_index() == 0
   t = config.train
   if t.batch_size % (jax.process_count() * t.microbatches):
@@ -101,6 +106,7 @@ def train(config, workdir: str) -> None:
       split=split,
       heldout_per_mille=config.data.heldout_per_mille,
       max_conversations=config.data.max_conversations,
+      packed=config.data.packed,
       cache_dir=config.data.cache_dir or None,
       tfds_data_dir=config.data.tfds_data_dir or None,
     )
@@ -111,10 +117,26 @@ def train(config, workdir: str) -> None:
   place = step_lib.placement(cfg, mesh)
   target = build.load_target(config)
   target_params = jax.device_put(target.params, place.target)
+  if config.data.cache_features:
+    cache_dir = config.data.cache_dir or data.default_cache_dir()
+    for split in loaded:
+      stored = features.target_features(loaded[split], target, cache_dir, t.batch_size)
+      loaded[split] = dataclasses.replace(loaded[split], features=stored)
   train_step = step_lib.jit_train_step(cfg, place)
   eval_step = step_lib.jit_eval_step(cfg, place)
   key = jax.random.key(config.seed)
-  state = step_lib.jit_init(cfg, place)(jax.random.fold_in(key, 1))
+  vocab = None
+  if cfg.drafter.draft_vocab_size:
+    vocab = data.frequent_tokens(loaded["train"], cfg.drafter.draft_vocab_size)
+    coverage = {s: data.coverage(loaded[s], vocab) for s in loaded}
+    if main:
+      print(
+        f"draft vocabulary: the {len(vocab)} most frequent trained tokens cover "
+        f"{coverage['train']:.1%} of the training and {coverage['heldout']:.1%} of the "
+        "held-out answers",
+        flush=True,
+      )
+  state = step_lib.jit_init(cfg, place)(jax.random.fold_in(key, 1), vocab)
 
   manager = ocp.CheckpointManager(
     os.path.abspath(os.path.join(workdir, "checkpoints")),
@@ -150,7 +172,7 @@ def train(config, workdir: str) -> None:
       name: jax.make_array_from_process_local_data(
         place.batch[name], batch[name][lo : lo + per_host]
       )
-      for name in ("tokens", "loss_mask")
+      for name in step_lib.batch_keys(cfg)
     }
 
   log = metrics_log.MetricsLog(workdir, active=main)
@@ -192,7 +214,7 @@ def train(config, workdir: str) -> None:
       bar.set_postfix(loss=f"{loss:.3f}", agree1=f"{scalars.get('agree_per_depth/d1', 0):.2f}")
     if done % t.eval_every == 0 or done == t.steps:
       evals = [
-        eval_step(state.params, target_params, global_batch("heldout", i), key)
+        eval_step(state, target_params, global_batch("heldout", i), key)
         for i in range(t.eval_batches)
       ]
       mean = jax.tree.map(lambda *xs: np.mean(xs, axis=0), *jax.device_get(evals))
@@ -205,7 +227,7 @@ def train(config, workdir: str) -> None:
     params = jax.device_get(state.params)
     save_drafter(
       os.path.join(workdir, "export"),
-      Drafter(cfg=cfg.drafter, params=params),
+      Drafter(cfg=cfg.drafter, params=params, vocab=jax.device_get(state.draft_vocab)),
       extra={"trained_steps": int(state.step), "config": config.to_dict()},
       dtype=build.storage_dtype(config.drafter.export_dtype),
     )

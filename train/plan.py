@@ -47,7 +47,8 @@ def activation_bytes(config, cfg: StepConfig, mesh: AbstractMesh) -> dict[str, i
   rows = tokens + slots if d.kind != "medusa" else tokens * d.num_draft
   drafter = rows * (12 * d.hidden_size + 3 * d.intermediate_size) * 4
   drafter += seqs * d.num_heads * (s * s + slots // max(seqs, 1) * s) * 4 * 2
-  loss = 6 * min(config.loss.chunk, rows) * t.vocab_size // tensor * 4
+  vocab = d.draft_vocab_size or t.vocab_size
+  loss = 6 * min(config.loss.chunk, rows) * vocab // tensor * 4
   return {"target forward": target, "drafter (saved for backward)": drafter, "loss chunk": loss}
 
 

@@ -17,12 +17,16 @@ from pspec_jax import losses
 from pspec_jax.drafter import Drafter, DrafterConfig
 from pspec_jax.llama import LlamaConfig, Target
 
+BATCH_KEYS = ("tokens", "loss_mask", "segments")  # each [B, S]; see `losses.distill_rows`
+FEATURES_KEY = "features"  # [B, S, D] the target's features, when precomputed
+
 
 @struct.dataclass
 class TrainState:
   step: jax.Array
   params: Any  # the drafter's
   opt_state: Any
+  draft_vocab: jax.Array | None = None  # [V'] token ids the drafter proposes (fixed, untrained)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,25 +66,37 @@ class StepConfig:
   loss: losses.LossConfig
   optimizer: OptimizerConfig
   microbatches: int = 1  # gradient accumulation: the batch is split into this many parts
+  cached_features: bool = False  # batches carry the target's features (no target forward)
 
   def __post_init__(self):
     if self.microbatches < 1:
       raise ValueError(f"train.microbatches must be >= 1, got {self.microbatches}")
 
 
-def init_state(cfg: StepConfig, params) -> TrainState:
+def batch_keys(cfg: StepConfig) -> tuple[str, ...]:
+  """The arrays a batch holds."""
+  return BATCH_KEYS + ((FEATURES_KEY,) if cfg.cached_features else ())
+
+
+def init_state(cfg: StepConfig, params, draft_vocab=None) -> TrainState:
+  """A fresh state; `draft_vocab` is required when the drafter has a restricted vocabulary."""
+  if (draft_vocab is None) != (cfg.drafter.draft_vocab_size == 0):
+    raise ValueError(f"the drafter needs a draft vocabulary of {cfg.drafter.draft_vocab_size}")
   return TrainState(
-    step=jnp.zeros((), jnp.int32), params=params, opt_state=cfg.optimizer.make().init(params)
+    step=jnp.zeros((), jnp.int32),
+    params=params,
+    opt_state=cfg.optimizer.make().init(params),
+    draft_vocab=draft_vocab,
   )
 
 
-def _loss_and_stats(params, target_params, batch, key, cfg: StepConfig):
+def _loss_and_stats(params, target_params, draft_vocab, batch, key, cfg: StepConfig):
   target = Target(cfg=cfg.target, params=target_params)
-  drafter = Drafter(cfg=cfg.drafter, params=params)
-  rows, feature_loss = losses.distill_rows(
-    drafter, target, batch["tokens"], batch["loss_mask"], key, cfg.loss
-  )
-  divergence, stats = losses.loss(rows, target.logits, cfg.drafter.num_draft, cfg.loss)
+  drafter = Drafter(cfg=cfg.drafter, params=params, vocab=draft_vocab).with_head(target)
+  rows, feature_loss = losses.distill_rows(drafter, target, batch, key, cfg.loss)
+  # Draft and teacher distributions over the draft vocabulary (the teacher's renormalised).
+  logits = functools.partial(drafter.logits, target)
+  divergence, stats = losses.loss(rows, logits, cfg.drafter.num_draft, cfg.loss)
   total = divergence + cfg.loss.feature_weight * feature_loss
   return total, dict(stats, divergence=divergence, feature_loss=feature_loss)
 
@@ -99,20 +115,25 @@ def _metrics(total, stats) -> dict:
 def train_step(state: TrainState, target_params, batch: dict, key: jax.Array, *, cfg: StepConfig):
   """One AdamW step on the drafter; the key is folded with the step (anchor sampling)."""
   key = jax.random.fold_in(key, state.step)
-  grad_fn = jax.value_and_grad(functools.partial(_loss_and_stats, cfg=cfg), has_aux=True)
+  loss_fn = functools.partial(_loss_and_stats, cfg=cfg)
+  grad_fn = functools.partial(
+    jax.value_and_grad(loss_fn, has_aux=True),
+    target_params=target_params,
+    draft_vocab=state.draft_vocab,
+  )
   n = cfg.microbatches
   if n == 1:
-    (total, stats), grads = grad_fn(state.params, target_params, batch, key)
+    (total, stats), grads = grad_fn(state.params, batch=batch, key=key)
   else:
     # Part j takes rows j, j + n, ...: every device keeps its own rows in each part.
     parts = jax.tree.map(lambda x: x.reshape(-1, n, *x.shape[1:]).swapaxes(0, 1), batch)
 
     def accumulate(carry, part_and_index):
       part, index = part_and_index
-      out = grad_fn(state.params, target_params, part, jax.random.fold_in(key, index))
+      out = grad_fn(state.params, batch=part, key=jax.random.fold_in(key, index))
       return jax.tree.map(jnp.add, carry, out), None
 
-    zeros = jax.eval_shape(grad_fn, state.params, target_params, batch, key)
+    zeros = jax.eval_shape(lambda p: grad_fn(p, batch=batch, key=key), state.params)
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), zeros)
     summed, _ = jax.lax.scan(accumulate, zeros, (parts, jnp.arange(n)))
     # Means over parts (the loss of each part is its own weighted mean); per-depth counts add.
@@ -124,12 +145,14 @@ def train_step(state: TrainState, target_params, batch: dict, key: jax.Array, *,
   metrics = _metrics(total, stats)
   metrics["grad_norm"] = optax.tree.norm(grads)
   metrics["lr"] = cfg.optimizer.schedule()(state.step)
-  return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+  return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
-def eval_step(params, target_params, batch: dict, key: jax.Array, *, cfg: StepConfig) -> dict:
+def eval_step(state: TrainState, target_params, batch: dict, key: jax.Array, *, cfg) -> dict:
   """Held-out loss and per-depth agreement (same layout, no update)."""
-  total, stats = _loss_and_stats(params, target_params, batch, key, cfg)
+  total, stats = _loss_and_stats(
+    state.params, target_params, state.draft_vocab, batch, key, cfg=cfg
+  )
   return _metrics(total, stats)
 
 
@@ -167,17 +190,18 @@ def placement(cfg: StepConfig, mesh) -> Placement:
     params,
     transform_non_params=lambda _: replicated,
   )
-  state = TrainState(step=replicated, params=params, opt_state=opt_state)
-  batch = {"tokens": sharding.batch_sharding(mesh), "loss_mask": sharding.batch_sharding(mesh)}
+  vocab = replicated if cfg.drafter.draft_vocab_size else None
+  state = TrainState(step=replicated, params=params, opt_state=opt_state, draft_vocab=vocab)
+  batch = {name: sharding.batch_sharding(mesh) for name in batch_keys(cfg)}
   return Placement(mesh=mesh, target=target, state=state, batch=batch, replicated=replicated)
 
 
 def jit_init(cfg: StepConfig, place: Placement):
-  """key -> a fresh TrainState, created directly in its shardings."""
+  """(key, draft_vocab) -> a fresh TrainState, created directly in its shardings."""
   from pspec_jax import drafter as drafter_lib
 
   return jax.jit(
-    lambda key: init_state(cfg, drafter_lib.init_params(cfg.drafter, key)),
+    lambda key, vocab: init_state(cfg, drafter_lib.init_params(cfg.drafter, key), vocab),
     out_shardings=place.state,
   )
 
@@ -195,6 +219,6 @@ def jit_train_step(cfg: StepConfig, place: Placement):
 def jit_eval_step(cfg: StepConfig, place: Placement):
   return jax.jit(
     functools.partial(eval_step, cfg=cfg),
-    in_shardings=(place.state.params, place.target, place.batch, place.replicated),
+    in_shardings=(place.state, place.target, place.batch, place.replicated),
     out_shardings=place.replicated,
   )
