@@ -127,6 +127,7 @@ def run() -> None:
           seconds=round(seconds, 4),
           rounds=int(out.rounds[row]),
           tau=round(float(out.tau[row]), 4),
+          accepted_per_depth=np.asarray(out.accepted_per_depth[row]).tolist(),
         )
         print(json.dumps(record), flush=True)
       else:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from pspec_jax import data
+from pspec_jax import checkpoints, data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,7 +53,7 @@ def test_mt_bench_questions_are_read_first_turn():
     (["--prompt=hi", "--target=missing.gguf"], "error: GGUF file not found"),
     (["--prompt=hi", "--prompts=p.jsonl"], "error: give exactly one of --prompt and --prompts"),
     (["--prompt=" + "hello " * 9000], "error: prompt width"),
-    (["--prompt=hi", "--method=pspec"], "error: --method=pspec needs --drafter"),
+    (["--prompts=mt_bench", "--num_prompts=-1"], "error: --num_prompts must be >= 0"),
     (
       ["--prompt=hi", "--method=eagle", "--drafter=random", "--tree=bushy"],
       "error: unknown tree 'bushy'",
@@ -77,21 +77,32 @@ def test_corrupt_checkpoint_is_one_clear_line(tmp_path):
   assert result.stderr.strip().startswith("error: ")
 
 
-def test_prompt_lookup_through_the_cli_is_lossless(tmp_path):
-  """pld drafts accepted (tau > 1) and the tokens of plain greedy decoding, prompt for prompt."""
+def test_a_target_without_a_shipped_drafter_needs_one():
+  # The embedded model's file under another name: no drafter ships for it.
+  gguf = checkpoints.resolve_target("smollm2-135m-instruct").path
+  result = run_cli("--prompt=hi", f"--target={gguf}", "--method=pspec")
+  assert result.returncode != 0 and "Traceback" not in result.stderr
+  assert result.stderr.strip().startswith("error: --method=pspec needs --drafter"), result.stderr
+
+
+@pytest.mark.parametrize("method", ["pld", "pspec", "eagle", "medusa"])
+def test_drafting_through_the_cli_is_lossless(tmp_path, method):
+  """Drafts accepted (tau > 1) and the tokens of plain greedy decoding, prompt for prompt;
+  pspec, eagle and medusa use the drafters shipped for the embedded target."""
   prompts = tmp_path / "prompts.jsonl"
   lines = ["Repeat the word apple ten times.", "Count from 1 to 20."]
   prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in lines))
   runs = {}
-  for method in ("pld", "none"):
+  for name in (method, "none"):
     flags = [f"--prompts={prompts}", "--batch_size=2", "--max_new_tokens=24", "--json"]
-    result = run_cli(*flags, f"--method={method}")
+    result = run_cli(*flags, f"--method={name}")
     assert result.returncode == 0, result.stderr
-    runs[method] = [json.loads(line) for line in result.stdout.splitlines()]
-  for pld, plain in zip(runs["pld"], runs["none"], strict=True):
-    assert pld["prompt"] == plain["prompt"]
-    assert pld["tokens"] == plain["tokens"] and pld["num_tokens"] <= 24
+    runs[name] = [json.loads(line) for line in result.stdout.splitlines()]
+  drafted = runs[method]
+  for spec, plain in zip(drafted, runs["none"], strict=True):
+    assert spec["prompt"] == plain["prompt"]
+    assert spec["tokens"] == plain["tokens"] and spec["num_tokens"] <= 24
     assert plain["tau"] == 1 and plain["rounds"] == plain["num_tokens"] - 1
-    assert pld["tau"] >= 1 and 1 <= pld["rounds"] <= plain["rounds"]
-    assert pld["tau"] * pld["rounds"] == pytest.approx(pld["num_tokens"] - 1, abs=0.01)
-  assert any(r["tau"] > 1 for r in runs["pld"])
+    assert spec["tau"] >= 1 and 1 <= spec["rounds"] <= plain["rounds"]
+    assert spec["tau"] * spec["rounds"] == pytest.approx(spec["num_tokens"] - 1, abs=0.01)
+  assert any(r["tau"] > 1 for r in drafted)

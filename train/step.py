@@ -101,13 +101,15 @@ def _loss_and_stats(params, target_params, draft_vocab, batch, key, cfg: StepCon
   return total, dict(stats, divergence=divergence, feature_loss=feature_loss)
 
 
-def _metrics(total, stats) -> dict:
-  weight = jnp.maximum(stats["weight"], 1.0)
+def _metrics(total, stats, cfg: StepConfig) -> dict:
+  # eagle trains depth 1 only (deeper drafts feed on its own outputs when decoding).
+  depths = 1 if cfg.drafter.kind == "eagle" else cfg.drafter.num_draft
+  weight = jnp.maximum(stats["weight"][:depths], 1.0)
   return {
     "loss": total,
     "divergence": stats["divergence"],
     "feature_loss": stats["feature_loss"],
-    "agree_per_depth": stats["agree"] / weight,
+    "agree_per_depth": stats["agree"][:depths] / weight,
     "tokens": stats["weight"][0],
   }
 
@@ -142,7 +144,7 @@ def train_step(state: TrainState, target_params, batch: dict, key: jax.Array, *,
       stats[name] = summed[0][1][name]
   updates, opt_state = cfg.optimizer.make().update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  metrics = _metrics(total, stats)
+  metrics = _metrics(total, stats, cfg)
   metrics["grad_norm"] = optax.tree.norm(grads)
   metrics["lr"] = cfg.optimizer.schedule()(state.step)
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
@@ -153,7 +155,7 @@ def eval_step(state: TrainState, target_params, batch: dict, key: jax.Array, *, 
   total, stats = _loss_and_stats(
     state.params, target_params, state.draft_vocab, batch, key, cfg=cfg
   )
-  return _metrics(total, stats)
+  return _metrics(total, stats, cfg)
 
 
 @dataclasses.dataclass(frozen=True)
