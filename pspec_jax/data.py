@@ -275,7 +275,7 @@ class TokenData:
       "segments": self.segments[rows],
     }
     if self.features is not None:
-      batch["features"] = np.stack([self.features[r] for r in rows])
+      batch["features"] = self.features[rows]
     return batch
 
 
