@@ -1,10 +1,12 @@
-r"""Benchmark of the embedded default on MT-Bench, greedy, batch 1, 2 CPU threads.
+r"""Benchmark of the embedded default: every method on MT-Bench, greedy, batch 1, on a CPU.
 
-  python -m infer.bench                                  # this config
-  python -m infer.bench --config.num_prompts=20 --config.max_new_tokens=256
-  python -m infer.bench --config=configs/bench_default.py:smoke
+  python -m infer.bench                                       # this config (< 10 min, 2 cores)
+  python -m infer.bench --config.datasets=mt_bench,humaneval,sharegpt --config.num_prompts=20
+  python -m infer.bench --config=configs/bench_default.py:ablation   # K = 1..4, chain and sparse8
+  python -m infer.bench --config=configs/bench_default.py:smoke      # seconds; tests
 
-Runs in a few minutes on a 2-core CPU; writes results.json and report.md under bench_results/.
+List-valued keys take comma-separated values: `--config.temperature=0,1`.
+Writes results.json, report.md and plots under bench_results/<timestamp>/ (or `out`).
 """
 
 import ml_collections
@@ -13,17 +15,31 @@ import ml_collections
 def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.target = "smollm2-135m-instruct"
-  config.methods = "none,hf"  # comma-separated; `hf` is HF transformers' PyTorch generate
-  config.datasets = "mt_bench"
+  # none, pld, medusa, eagle, pspec (pspec_jax); hf, hf_pld (HF transformers' generate).
+  config.methods = "none,pld,medusa,eagle,pspec,hf,hf_pld"
+  config.datasets = "mt_bench"  # mt_bench, humaneval, sharegpt (the held-out split)
   config.num_prompts = 8
+  config.max_prompt_tokens = 512  # longer prompts of a set are passed over
   config.max_new_tokens = 128
-  config.temperature = 0.0
-  config.batch_size = 1
+  config.temperature = "0"  # list
+  config.batch_size = "1"  # list
+  config.num_draft = ""  # list of K; "" is each drafter's own
+  config.tree = ""  # list of trees (chain, sparseN, dynamic:N); "" is each drafter's own
+  config.drafter_dir = ""  # a directory of <kind>/ drafters; "" is the ones shipped for target
+  config.phase_prompts = 1  # prompts run phase by phase for the draft/verify/commit split
+  config.step_profile = True  # `none`'s decode step against the memory-bandwidth floor
   config.torch_threads = 2
+  config.seed = 0
   config.out = ""  # default: bench_results/<timestamp>
   if variant == "smoke":
+    config.methods = "none,pld,pspec"
     config.num_prompts = 2
     config.max_new_tokens = 8
+    config.step_profile = False
+  elif variant == "ablation":
+    config.methods = "none,pld,eagle,pspec"
+    config.num_draft = "1,2,3,4"
+    config.tree = "chain,sparse8"
   elif variant is not None:
-    raise ValueError(f"unknown variant {variant!r} of bench_default (known: smoke)")
+    raise ValueError(f"unknown variant {variant!r} of bench_default (known: smoke, ablation)")
   return config

@@ -1,17 +1,24 @@
-r"""Decoding speed of each method on a real prompt set, measured as ratios in one run.
+r"""Speedup and acceptance length of every decoding method on real prompt sets, in one run.
 
-  python -m infer.bench                               # configs/bench_default.py
-  python -m infer.bench --config.num_prompts=20 --config.methods=none,hf
+  python -m infer.bench                                   # configs/bench_default.py
+  python -m infer.bench --config.methods=none,pspec --config.datasets=mt_bench,humaneval
+  python -m infer.bench --config=configs/bench_default.py:ablation   # K = 1..4, chain trees
+  python -m infer.bench --config.temperature=0,1 --config.batch_size=1,4
 
-Every method is compiled and warmed up first; then methods are interleaved prompt by prompt,
-so machine noise hits all of them alike. At temperature 0 every method's tokens are compared
-with `none`'s (the lossless check). Also reported: our time per decode step against the
-memory-bandwidth floor (weight bytes / measured copy bandwidth).
+Every setting (method, dataset, temperature, batch size, K, tree) is compiled and warmed up
+first; then settings are interleaved prompt batch by prompt batch, so machine noise hits all of
+them alike. Per setting it records tokens/s, the speedup over `none` measured in the same run,
+tau (tokens per target pass), per-depth acceptance, the share of a round spent drafting,
+verifying and accepting + committing (from a few prompts run phase by phase), and at
+temperature 0 whether every output equals `none`'s token for token (the lossless check).
 
-Methods today: `none` (our jitted auto-regressive decoder) and `hf` (HF transformers' PyTorch
-`generate` on the same float32 weights, when torch is installed).
+Methods: `none` (plain decoding), `pld`, `medusa`, `eagle`, `pspec` (pspec_jax.decode with the
+shipped drafters or those under `drafter_dir`), and `hf` / `hf_pld` (HF transformers' PyTorch
+`generate` on the same float32 weights, plain and with prompt lookup; batch size 1, and only
+when torch is installed).
 """
 
+import dataclasses
 import datetime
 import json
 import os
@@ -26,31 +33,67 @@ from ml_collections import config_flags
 _CONFIG = config_flags.DEFINE_config_file(
   "config", os.path.join(os.path.dirname(__file__), "..", "configs", "bench_default.py")
 )
-KNOWN_METHODS = ("none", "hf")
+OUR_METHODS = ("none", "pld", "medusa", "eagle", "pspec")
+HF_METHODS = ("hf", "hf_pld")
+HF_PROMPT_LOOKUP_TOKENS = 10  # HF's suggested `prompt_lookup_num_tokens`
 
 
-class OurDecoder:
-  """`none`: pspec_jax's plain decoding."""
+@dataclasses.dataclass(frozen=True)
+class Setting:
+  """One row of the results: what is decoded, and how."""
 
-  def __init__(self, target, cfg):
-    self.target, self.cfg = target, cfg
+  method: str
+  dataset: str
+  temperature: float
+  batch_size: int
+  num_draft: int  # K as run (0 for none and hf)
+  tree: str  # tree as run ("" for none and hf)
 
-  def __call__(self, ids: list[int]) -> list[int]:
+  @property
+  def baseline(self) -> "Setting":
+    return Setting("none", self.dataset, self.temperature, self.batch_size, 0, "")
+
+
+@dataclasses.dataclass
+class Outcome:
+  """What one call decoded: per sequence tokens, and for our methods rounds and acceptance."""
+
+  tokens: list[list[int]]
+  rounds: list[int] | None = None
+  accepted: list[list[int]] | None = None
+
+
+class OurMethod:
+  """`none`, `pld`, `medusa`, `eagle`, `pspec`: pspec_jax.decode.generate.
+
+  Prompts are padded to one `width` (0: their bucket), so a dataset compiles once.
+  """
+
+  def __init__(self, target, drafter, cfg, pad_id, width=0):
+    self.target, self.drafter, self.cfg, self.pad_id = target, drafter, cfg, pad_id
+    self.width = width
+
+  def __call__(self, batch: list[list[int]], key) -> Outcome:
     import jax
     import numpy as np
 
     from pspec_jax import data, decode
 
-    tokens, lengths = data.pad_batch([ids])
-    out = decode.generate(self.target, tokens, lengths, jax.random.key(0), self.cfg)
-    out = jax.device_get(out)
-    return np.asarray(out.tokens[0, : out.lengths[0]]).tolist()
+    tokens, lengths = data.pad_batch(batch, self.pad_id)
+    if self.width > tokens.shape[1]:
+      tokens = np.pad(tokens, ((0, 0), (0, self.width - tokens.shape[1])), constant_values=0)
+    out = jax.device_get(decode.generate(self.target, tokens, lengths, key, self.cfg, self.drafter))
+    return Outcome(
+      tokens=[np.asarray(out.tokens[b, : out.lengths[b]]).tolist() for b in range(len(batch))],
+      rounds=np.asarray(out.rounds).tolist(),
+      accepted=np.asarray(out.accepted_per_depth).tolist(),
+    )
 
 
-class HFDecoder:
-  """`hf`: HF transformers' `generate` (PyTorch, float32) on the same GGUF/HF weights."""
+class HFMethod:
+  """`hf` / `hf_pld`: HF transformers' `generate` (PyTorch, float32) on the same weights."""
 
-  def __init__(self, spec, cfg, threads):
+  def __init__(self, spec, cfg, threads, prompt_lookup: bool):
     import torch
     import transformers
 
@@ -66,12 +109,16 @@ class HFDecoder:
     self.model = transformers.AutoModelForCausalLM.from_pretrained(
       directory, dtype=torch.float32, **kwargs
     ).eval()
-    self.cfg = cfg
+    self.cfg, self.prompt_lookup = cfg, prompt_lookup
 
-  def __call__(self, ids: list[int]) -> list[int]:
+  def __call__(self, batch: list[list[int]], key) -> Outcome:
+    import jax
     import torch
 
+    (ids,) = batch
     sampling = self.cfg.sampling
+    torch.manual_seed(int(jax.random.randint(key, (), 0, 2**31 - 1)))
+    extra = dict(prompt_lookup_num_tokens=HF_PROMPT_LOOKUP_TOKENS) if self.prompt_lookup else {}
     with torch.inference_mode():
       out = self.model.generate(
         torch.tensor([ids]),
@@ -83,8 +130,77 @@ class HFDecoder:
         top_p=sampling.top_p,
         eos_token_id=list(self.cfg.eos_ids),
         pad_token_id=self.cfg.eos_ids[0],
+        **extra,
       )
-    return out[0, len(ids) :].tolist()
+    return Outcome(tokens=[out[0, len(ids) :].tolist()])
+
+
+def _values(value, kind) -> list:
+  """A config list: "0,1" or a single number; "" is [""] for string lists (the default)."""
+  parts = [p.strip() for p in str(value).split(",")] if value != "" else [""]
+  if kind is str:
+    return parts
+  try:
+    return [kind(p) for p in parts if p]
+  except ValueError:
+    raise ValueError(f"expected comma-separated {kind.__name__}s, got {value!r}") from None
+
+
+def settings_of(config, target, drafters: dict) -> tuple[list[Setting], list[str]]:
+  """Every setting the config asks for, and why any combination was left out."""
+  from pspec_jax import decode
+  from pspec_jax import tree as tree_lib
+
+  methods = _values(config.methods, str)
+  known = OUR_METHODS + HF_METHODS
+  unknown = sorted(set(methods) - set(known))
+  if unknown or methods == [""]:
+    raise ValueError(f"unknown methods {unknown}: known are {', '.join(known)}")
+  temperatures = _values(config.temperature, float)
+  batch_sizes = _values(config.batch_size, int)
+  ks = _values(config.num_draft, int) or [0]
+  trees = _values(config.tree, str)
+  if any(t < 0 for t in temperatures) or any(b < 1 for b in batch_sizes) or min(ks) < 0:
+    raise ValueError("temperatures must be >= 0, batch sizes >= 1 and num_draft >= 0")
+  for tree in trees:
+    if tree:
+      tree_lib.parse(tree, 64)  # the spelling; depth is checked per drafter below
+  out, skipped = [], []
+  for dataset in _values(config.datasets, str):
+    for temperature in temperatures:
+      for batch in batch_sizes:
+        for method in ["none"] + [m for m in methods if m != "none"]:
+          if method in HF_METHODS or method == "none":
+            if method in HF_METHODS and batch != 1:
+              skipped.append(f"{method} at batch size {batch}: HF is measured at batch size 1")
+              continue
+            out.append(Setting(method, dataset, temperature, batch, 0, ""))
+            continue
+          drafter = drafters[method]
+          for k in ks:
+            for tree in trees:
+              cfg = decode.DecodeConfig(num_draft=k, tree=tree)
+              name = tree or drafter.cfg.tree
+              try:
+                decode.check_drafter(target, drafter, cfg)
+              except ValueError as e:
+                skipped.append(f"{method} K={k or drafter.cfg.num_draft} tree {name}: {e}")
+                continue
+              setting = Setting(
+                method, dataset, temperature, batch, k or drafter.cfg.num_draft, name
+              )
+              if setting not in out:
+                out.append(setting)
+  return out, skipped
+
+
+def phase_shares(target, drafter, batches, cfg) -> dict[str, float]:
+  """Shares of a round spent in draft / verify / accept+commit, run phase by phase."""
+  from infer.profile_round import phase_split
+
+  ms, _ = phase_split(target, drafter, batches, cfg)
+  total = sum(ms.values())
+  return {k: v / total for k, v in ms.items()}
 
 
 def copy_bandwidth(num_bytes: int, repeats: int = 5) -> float:
@@ -106,102 +222,121 @@ def decode_step_seconds(target, ids, cfg, steps=64, repeats=3) -> float:
 
   EOS is disabled so both runs do exactly that many steps; the difference cancels prefill.
   """
-  import dataclasses
+  import jax
 
-  long_cfg = dataclasses.replace(cfg, max_new_tokens=steps + 1, eos_ids=())
-  short_cfg = dataclasses.replace(cfg, max_new_tokens=1, eos_ids=())
-  long_run, short_run = OurDecoder(target, long_cfg), OurDecoder(target, short_cfg)
-  long_run(ids), short_run(ids)  # compile
+  key = jax.random.key(0)
+  long_run = OurMethod(target, None, dataclasses.replace(cfg, max_new_tokens=steps + 1), 0)
+  short_run = OurMethod(target, None, dataclasses.replace(cfg, max_new_tokens=1), 0)
+  long_run([ids], key), short_run([ids], key)  # compile
   diffs = []
   for _ in range(repeats):
     began = time.perf_counter()
-    long_run(ids)
+    long_run([ids], key)
     middle = time.perf_counter()
-    short_run(ids)
+    short_run([ids], key)
     diffs.append((middle - began) - (time.perf_counter() - middle))
   return statistics.median(diffs) / steps
 
 
-def run(config) -> dict:
+def load_prompts(config, tokenizer) -> dict[str, list[list[int]]]:
+  """Encoded prompts per dataset: the first `num_prompts` of at most `max_prompt_tokens`."""
+  from pspec_jax import data
+
+  chat = tokenizer.chat_template is not None
+  out = {}
+  for name in _values(config.datasets, str):
+    if name not in data.PROMPT_SETS:
+      raise ValueError(f"unknown dataset {name!r}: known are {', '.join(data.PROMPT_SETS)}")
+    encoded = [data.encode_prompt(tokenizer, p, chat) for p in data.prompt_set(name)]
+    out[name] = [ids for ids in encoded if len(ids) <= config.max_prompt_tokens]
+    out[name] = out[name][: config.num_prompts]
+    if not out[name]:
+      raise ValueError(f"dataset {name!r} has no prompt of <= {config.max_prompt_tokens} tokens")
+  return out
+
+
+def run(config, progress=True) -> dict:
   import jax
   import transformers
   from tqdm import tqdm
 
-  from pspec_jax import checkpoints, data, decode
+  from pspec_jax import checkpoints, data, decode, drafter_files
   from pspec_jax.sampling import SamplingConfig
 
   transformers.logging.set_verbosity_error()
-  methods = [m.strip() for m in config.methods.split(",") if m.strip()]
-  unknown = sorted(set(methods) - set(KNOWN_METHODS))
-  if unknown or not methods:
-    raise ValueError(f"unknown methods {unknown}: known are {', '.join(KNOWN_METHODS)}")
-  if config.batch_size != 1:
-    raise ValueError("only batch_size=1 is measured so far")
-  if config.datasets != "mt_bench":
-    raise ValueError(f"unknown datasets {config.datasets!r}: known is mt_bench")
-
+  if config.num_prompts < 1 or config.max_new_tokens < 1:
+    raise ValueError("num_prompts and max_new_tokens must be >= 1")
+  methods = _values(config.methods, str)
+  if any(m in HF_METHODS for m in methods):
+    try:
+      import torch  # noqa: F401
+    except ImportError:
+      raise ValueError("methods hf and hf_pld need torch: pip install -e '.[test]'") from None
   tokenizer = checkpoints.load_tokenizer(config.target)
-  prompts = data.read_prompts(data.prompt_set_path("mt_bench"))[: config.num_prompts]
-  chat = tokenizer.chat_template is not None
-  encoded = [data.encode_prompt(tokenizer, p, chat) for p in prompts]
+  prompts = load_prompts(config, tokenizer)
   target = checkpoints.load_target(config.target, scan_layers=False)
-  cfg = decode.DecodeConfig(
-    max_new_tokens=config.max_new_tokens,
-    sampling=SamplingConfig(temperature=config.temperature),
-    eos_ids=checkpoints.eos_token_ids(config.target, tokenizer),
-  )
-  runners = {}
+  drafters, drafter_meta = {}, {}
   for method in methods:
-    if method == "none":
-      runners[method] = OurDecoder(target, cfg)
-    else:
-      runners[method] = HFDecoder(config.target, cfg, config.torch_threads)
+    if method in ("pld", "medusa", "eagle", "pspec"):
+      spec = None
+      if method != "pld":
+        spec = os.path.join(config.drafter_dir, method) if config.drafter_dir else None
+        spec = spec or drafter_files.shipped_drafter(target.cfg.name, method)
+      drafters[method] = drafter_files.resolve_drafter(method, spec, target)
+      drafter_meta[method] = _drafter_meta(drafters[method], spec)
+  settings, skipped = settings_of(config, target, drafters)
+  eos_ids = checkpoints.eos_token_ids(config.target, tokenizer)
+  pad_id = tokenizer.pad_token_id or 0
 
-  # Compile every prompt bucket and warm up every method before anything is timed.
-  for runner in runners.values():
-    for ids in {len(data.pad_batch([ids])[0][0]): ids for ids in encoded}.values():
-      runner(ids)
-  records = {m: [] for m in methods}
-  for ids in tqdm(encoded, desc="prompts", file=sys.stderr):
-    for method, runner in runners.items():
-      began = time.perf_counter()
-      out = runner(ids)
-      records[method].append(dict(seconds=time.perf_counter() - began, tokens=out))
-
-  def tokens_per_s(method):
-    rs = records[method]
-    return sum(len(r["tokens"]) for r in rs) / sum(r["seconds"] for r in rs)
-
-  rows = []
-  for method in methods:
-    lossless = None
-    if config.temperature == 0 and "none" in records:
-      lossless = all(
-        a["tokens"] == b["tokens"] for a, b in zip(records[method], records["none"], strict=True)
-      )
-    rows.append(
-      dict(
-        method=method,
-        dataset=config.datasets,
-        temperature=config.temperature,
-        batch_size=config.batch_size,
-        num_draft=0,
-        tree="",
-        tokens_per_s=tokens_per_s(method),
-        speedup=tokens_per_s(method) / tokens_per_s("none") if "none" in records else None,
-        tau=1.0,
-        accept_per_depth=[],
-        draft_share=0.0,
-        verify_share=1.0,
-        lossless=lossless,
-        num_prompts=len(encoded),
-        tokens=sum(len(r["tokens"]) for r in records[method]),
-        median_seconds_per_prompt=statistics.median(r["seconds"] for r in records[method]),
-      )
+  def decode_config(s: Setting) -> decode.DecodeConfig:
+    return decode.DecodeConfig(
+      max_new_tokens=config.max_new_tokens,
+      sampling=SamplingConfig(temperature=s.temperature),
+      eos_ids=eos_ids,
+      pad_id=pad_id,
+      num_draft=s.num_draft,
+      tree=s.tree,
     )
-  weight_bytes = sum(x.nbytes for x in jax.tree.leaves(target.params))
-  step = decode_step_seconds(target, encoded[0], cfg)
-  floor = weight_bytes / copy_bandwidth(weight_bytes)
+
+  runners = {}
+  for s in settings:
+    if s.method in HF_METHODS:
+      runners[s] = HFMethod(
+        config.target, decode_config(s), config.torch_threads, prompt_lookup=s.method == "hf_pld"
+      )
+    else:
+      width = data.bucket(max(map(len, prompts[s.dataset])))
+      runners[s] = OurMethod(target, drafters.get(s.method), decode_config(s), pad_id, width)
+
+  def batches(s: Setting) -> list[list[list[int]]]:
+    ids = prompts[s.dataset]
+    return [ids[i : i + s.batch_size] for i in range(0, len(ids), s.batch_size)]
+
+  # Compile and warm up every setting (and a short last batch) before anything is timed.
+  for s in tqdm(settings, desc="compile", file=sys.stderr, disable=not progress):
+    for batch in {len(b): b for b in batches(s)}.values():
+      runners[s](batch, jax.random.key(config.seed))
+  # Interleaved: for each prompt batch, every setting that decodes it, in turn.
+  records = {s: [] for s in settings}
+  groups = {}
+  for s in settings:
+    for index, batch in enumerate(batches(s)):
+      groups.setdefault((s.dataset, s.temperature, s.batch_size, index), []).append((s, batch))
+  for (_, _, _, index), group in tqdm(
+    groups.items(), desc="prompts", file=sys.stderr, disable=not progress
+  ):
+    key = jax.random.fold_in(jax.random.key(config.seed), index)
+    for s, batch in group:
+      began = time.perf_counter()
+      outcome = runners[s](batch, key)
+      records[s].append((time.perf_counter() - began, outcome))
+  shares = {}
+  for s in tqdm(settings, desc="time split", file=sys.stderr, disable=not progress):
+    if s.method in OUR_METHODS and config.phase_prompts:
+      head = prompts[s.dataset][: config.phase_prompts]
+      shares[s] = phase_shares(target, drafters.get(s.method), head, decode_config(s))
+  rows = [_row(s, records, shares.get(s)) for s in settings]
+
   meta = dict(
     machine=platform.platform(),
     processor=platform.processor() or platform.machine(),
@@ -209,40 +344,263 @@ def run(config) -> dict:
     devices=[str(d) for d in jax.devices()],
     jax_version=jax.__version__,
     target=config.target,
-    drafters={},
+    drafters=drafter_meta,
     config=config.to_dict(),
-    weight_bytes=weight_bytes,
-    decode_step_ms=step * 1e3,
-    bandwidth_floor_ms=floor * 1e3,
-    step_over_floor=step / floor,
+    skipped=skipped,
   )
+  if config.step_profile and "none" in methods:
+    first = next(iter(prompts.values()))[0]
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(target.params))
+    step = decode_step_seconds(target, first, decode_config(settings[0]))
+    floor = weight_bytes / copy_bandwidth(weight_bytes)
+    meta.update(
+      weight_bytes=weight_bytes,
+      decode_step_ms=step * 1e3,
+      bandwidth_floor_ms=floor * 1e3,
+      step_over_floor=step / floor,
+    )
   return dict(meta=meta, rows=rows)
+
+
+def _drafter_meta(drafter, directory: str | None) -> dict:
+  from pspec_jax import drafter_files
+
+  c = drafter.cfg
+  meta = dict(kind=c.kind, num_draft=c.num_draft, tree=c.tree, source=directory)
+  if directory:
+    with open(os.path.join(directory, drafter_files.CONFIG_FILE)) as fh:
+      meta.update(trained_steps=json.load(fh).get("trained_steps"))
+    meta.update(draft_vocab_size=c.draft_vocab_size)
+  return meta
+
+
+def _row(s: Setting, records: dict, shares: dict | None) -> dict:
+  runs = records[s]
+  seconds = sum(t for t, _ in runs)
+  seqs = [seq for _, o in runs for seq in o.tokens]
+  num_tokens = sum(len(seq) for seq in seqs)
+  tokens_per_s = num_tokens / seconds
+  base = records.get(s.baseline)
+  speedup = tau = accept = lossless = None
+  per_prompt_tau = []
+  if base is not None:
+    base_tokens = sum(len(q) for _, o in base for q in o.tokens)
+    speedup = tokens_per_s / (base_tokens / sum(t for t, _ in base))
+    if s.temperature == 0:
+      base_seqs = [seq for _, o in base for seq in o.tokens]
+      lossless = seqs == base_seqs
+  if runs[0][1].rounds is not None:
+    rounds = [r for _, o in runs for r in o.rounds]
+    accepted = [a for _, o in runs for a in o.accepted]
+    tau = sum(len(q) - 1 for q in seqs) / max(sum(rounds), 1)
+    per_prompt_tau = [(len(q) - 1) / max(r, 1) for q, r in zip(seqs, rounds, strict=True)]
+    depth = len(accepted[0])
+    accept = [sum(a[d] for a in accepted) / max(sum(rounds), 1) for d in range(depth)]
+  elif s.method == "hf":
+    tau, per_prompt_tau = 1.0, [1.0] * len(seqs)
+  return dict(
+    method=s.method,
+    dataset=s.dataset,
+    temperature=s.temperature,
+    batch_size=s.batch_size,
+    num_draft=s.num_draft,
+    tree=s.tree,
+    tokens_per_s=tokens_per_s,
+    speedup=speedup,
+    tau=tau,
+    accept_per_depth=accept,
+    draft_share=None if shares is None else shares["draft"],
+    verify_share=None if shares is None else shares["verify"],
+    commit_share=None if shares is None else shares["accept+commit"],
+    lossless=lossless,
+    num_prompts=len(seqs),
+    tokens=num_tokens,
+    seconds=seconds,
+    tau_per_prompt=per_prompt_tau,
+  )
+
+
+# ---------------------------------------------------------------------------------------------
+# Report and plots
+
+
+def _label(r: dict, varied: set[str]) -> str:
+  label = r["method"]
+  if r["method"] not in ("none", *HF_METHODS):
+    extra = [
+      f"K={r['num_draft']}" if "num_draft" in varied else "",
+      r["tree"] if "tree" in varied else "",
+    ]
+    extra = [e for e in extra if e]
+    if extra:
+      label += f" ({', '.join(extra)})"
+  return label
+
+
+def _fmt(x, spec, suffix=""):
+  return "" if x is None else f"{x:{spec}}{suffix}"
 
 
 def report(results: dict) -> str:
   meta, rows = results["meta"], results["rows"]
+  varied = {k for k in ("num_draft", "tree") if len({r[k] for r in rows if r["num_draft"]}) > 1}
+  datasets = list(dict.fromkeys(r["dataset"] for r in rows))
   lines = [
     f"# Decoding benchmark: {meta['target']}",
     "",
-    f"{meta['machine']}, {meta['cpu_count']} CPUs, devices {', '.join(meta['devices'])}, "
-    f"jax {meta['jax_version']}.",
-    "",
-    "| method | dataset | T | tokens/s | speedup vs none | tau | lossless |",
-    "|---|---|---|---|---|---|---|",
+    f"Machine: {meta['machine']}, {meta['processor']}, {meta['cpu_count']} CPUs; devices "
+    f"{', '.join(meta['devices'])}; jax {meta['jax_version']}.",
+    f"Prompts per dataset: {meta['config']['num_prompts']}, max_new_tokens "
+    f"{meta['config']['max_new_tokens']}. Speedup is tokens/s over `none` in the same run; "
+    "tau is tokens per target pass.",
   ]
-  for r in rows:
-    speedup = "" if r["speedup"] is None else f"{r['speedup']:.2f}x"
-    lines.append(
-      f"| {r['method']} | {r['dataset']} | {r['temperature']} | {r['tokens_per_s']:.1f} | "
-      f"{speedup} | {r['tau']:.2f} | {r['lossless']} |"
-    )
+  for d in meta["drafters"].values():
+    if d["source"]:
+      lines.append(
+        f"Drafter {d['kind']}: {d['source']}, K={d['num_draft']}, tree {d['tree']}, "
+        f"trained {d['trained_steps']} steps."
+      )
+  for temperature in dict.fromkeys(r["temperature"] for r in rows):
+    for batch in dict.fromkeys(r["batch_size"] for r in rows):
+      part = [r for r in rows if r["temperature"] == temperature and r["batch_size"] == batch]
+      if not part:
+        continue
+      lines += [
+        "",
+        f"## Speedup / tau, temperature {temperature}, batch size {batch}",
+        "",
+        "| method | " + " | ".join(datasets) + " |",
+        "|---|" + "---|" * len(datasets),
+      ]
+      for label in dict.fromkeys(_label(r, varied) for r in part):
+        cells = []
+        for dataset in datasets:
+          hit = [r for r in part if r["dataset"] == dataset and _label(r, varied) == label]
+          cells.append(
+            ""
+            if not hit
+            else f"{_fmt(hit[0]['speedup'], '.2f', 'x')} / {_fmt(hit[0]['tau'], '.2f')}".strip(" /")
+          )
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+  if "num_draft" in varied:
+    lines += [
+      "",
+      "## K ablation",
+      "",
+      "| method | K | tree | dataset | T | batch | speedup | tau |",
+      "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(
+      (r for r in rows if r["num_draft"]), key=lambda r: (r["method"], r["tree"], r["num_draft"])
+    ):
+      lines.append(
+        f"| {r['method']} | {r['num_draft']} | {r['tree']} | {r['dataset']} | "
+        f"{r['temperature']} | {r['batch_size']} | {_fmt(r['speedup'], '.2f', 'x')} | "
+        f"{_fmt(r['tau'], '.2f')} |"
+      )
   lines += [
     "",
-    f"Decode step {meta['decode_step_ms']:.1f} ms; memory-bandwidth floor "
-    f"{meta['bandwidth_floor_ms']:.1f} ms ({meta['weight_bytes'] / 1e6:.0f} MB of weights / "
-    f"measured copy bandwidth): ratio {meta['step_over_floor']:.2f}.",
+    "## Every setting",
+    "",
+    "| method | dataset | T | batch | K | tree | tokens/s | speedup | tau | accept per depth "
+    "| draft / verify / commit | lossless |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
+  for r in rows:
+    accept = " ".join(f"{a:.2f}" for a in r["accept_per_depth"] or [])
+    split = ""
+    if r["draft_share"] is not None:
+      split = " / ".join(
+        f"{100 * r[k]:.0f}%" for k in ("draft_share", "verify_share", "commit_share")
+      )
+    lines.append(
+      f"| {r['method']} | {r['dataset']} | {r['temperature']} | {r['batch_size']} | "
+      f"{r['num_draft'] or ''} | {r['tree']} | {r['tokens_per_s']:.1f} | "
+      f"{_fmt(r['speedup'], '.2f', 'x')} | {_fmt(r['tau'], '.2f')} | {accept} | {split} | "
+      f"{'' if r['lossless'] is None else r['lossless']} |"
+    )
+  if meta["skipped"]:
+    lines += ["", "Left out: " + "; ".join(meta["skipped"]) + "."]
+  if "decode_step_ms" in meta:
+    lines += [
+      "",
+      f"`none` decode step {meta['decode_step_ms']:.1f} ms; memory-bandwidth floor "
+      f"{meta['bandwidth_floor_ms']:.1f} ms ({meta['weight_bytes'] / 1e6:.0f} MB of weights / "
+      f"measured copy bandwidth): ratio {meta['step_over_floor']:.2f}.",
+    ]
   return "\n".join(lines) + "\n"
+
+
+def plots(results: dict, out: str) -> list[str]:
+  """speedup.png, tau.png and (when K varies) k_ablation.png in `out`; returns their names."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import numpy as np
+
+  rows = results["rows"]
+  varied = {k for k in ("num_draft", "tree") if len({r[k] for r in rows if r["num_draft"]}) > 1}
+  first = [
+    r
+    for r in rows
+    if (r["temperature"], r["batch_size"]) == (rows[0]["temperature"], rows[0]["batch_size"])
+  ]
+  datasets = list(dict.fromkeys(r["dataset"] for r in first))
+  labels = list(dict.fromkeys(_label(r, varied) for r in first))
+  written = []
+
+  fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(labels) * len(datasets)), 4))
+  width = 0.8 / len(datasets)
+  for i, dataset in enumerate(datasets):
+    values = []
+    for label in labels:
+      hit = [r for r in first if r["dataset"] == dataset and _label(r, varied) == label]
+      values.append(hit[0]["speedup"] or 0 if hit else 0)
+    ax.bar(np.arange(len(labels)) + i * width, values, width, label=dataset)
+  ax.axhline(1.0, color="gray", lw=0.8)
+  ax.set_xticks(np.arange(len(labels)) + 0.4 - width / 2, labels, rotation=20, ha="right")
+  ax.set_ylabel("speedup over none")
+  ax.set_title(f"T={rows[0]['temperature']}, batch {rows[0]['batch_size']}")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(os.path.join(out, "speedup.png"), dpi=120)
+  plt.close(fig)
+  written.append("speedup.png")
+
+  drafted = [r for r in first if r["tau_per_prompt"] and r["method"] not in ("none", "hf")]
+  if drafted:
+    fig, ax = plt.subplots(figsize=(max(6, 1.0 * len(drafted)), 4))
+    ax.boxplot(
+      [r["tau_per_prompt"] for r in drafted],
+      tick_labels=[f"{_label(r, varied)}\n{r['dataset']}" for r in drafted],
+    )
+    ax.set_ylabel("tau per prompt (tokens per target pass)")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "tau.png"), dpi=120)
+    plt.close(fig)
+    written.append("tau.png")
+
+  if "num_draft" in varied:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for key in dict.fromkeys(
+      (r["method"], r["tree"], r["dataset"]) for r in first if r["num_draft"]
+    ):
+      line = sorted(
+        (r for r in first if (r["method"], r["tree"], r["dataset"]) == key),
+        key=lambda r: r["num_draft"],
+      )
+      ks = [r["num_draft"] for r in line]
+      left.plot(ks, [r["speedup"] or 0 for r in line], marker="o", label=" ".join(key))
+      right.plot(ks, [r["tau"] or 0 for r in line], marker="o", label=" ".join(key))
+    left.set_xlabel("K"), left.set_ylabel("speedup over none")
+    right.set_xlabel("K"), right.set_ylabel("tau")
+    left.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "k_ablation.png"), dpi=120)
+    plt.close(fig)
+    written.append("k_ablation.png")
+  return written
 
 
 def main(argv):
@@ -263,6 +621,7 @@ def main(argv):
   text = report(results)
   with open(os.path.join(out, "report.md"), "w") as fh:
     fh.write(text)
+  plots(results, out)
   print(text)
   print(f"results in {out}/")
 

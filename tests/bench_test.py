@@ -1,0 +1,197 @@
+"""`python -m infer.bench`: settings, rows, the report and plots, and one real run."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from infer import bench
+from pspec_jax import data
+from tests.tiny_models import drafter_for, make_target
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROW_KEYS = {
+  "method",
+  "dataset",
+  "temperature",
+  "batch_size",
+  "num_draft",
+  "tree",
+  "tokens_per_s",
+  "speedup",
+  "tau",
+  "accept_per_depth",
+  "draft_share",
+  "verify_share",
+  "lossless",
+  "num_prompts",
+  "tokens",
+}
+
+
+def config(**overrides):
+  from configs import bench_default
+
+  c = bench_default.get_config()
+  c.update(overrides)
+  return c
+
+
+def test_settings_cover_every_combination_and_say_what_was_left_out():
+  target = make_target(1.0)
+  drafters = {k: drafter_for(k, target, num_draft=3) for k in ("pld", "pspec")}
+  c = config(
+    methods="pspec,hf,pld",
+    datasets="mt_bench,humaneval",
+    temperature="0,1",
+    batch_size="1,2",
+    num_draft="2,4",
+    tree="chain",
+  )
+  settings, skipped = bench.settings_of(c, target, drafters)
+  # none always runs first (it is every row's baseline); hf only at batch size 1.
+  assert settings[0] == bench.Setting("none", "mt_bench", 0.0, 1, 0, "")
+  by_method = {m: [s for s in settings if s.method == m] for m in ("none", "hf", "pld", "pspec")}
+  assert len(by_method["none"]) == 2 * 2 * 2
+  assert {s.batch_size for s in by_method["hf"]} == {1} and len(by_method["hf"]) == 4
+  assert {s.num_draft for s in by_method["pld"]} == {2, 4} and len(by_method["pld"]) == 16
+  # The pspec drafter proposes K=3 tokens at most: K=4 is left out, with the reason.
+  assert {s.num_draft for s in by_method["pspec"]} == {2}
+  assert any(
+    s.startswith("pspec K=4 tree chain: the pspec drafter proposes at most K=3") for s in skipped
+  )
+  assert any(s.startswith("hf at batch size 2") for s in skipped)
+
+
+@pytest.mark.parametrize(
+  "overrides,message",
+  [
+    (dict(methods="none,magic"), "unknown methods ['magic']"),
+    (dict(temperature="-1"), "temperatures must be >= 0"),
+    (dict(batch_size="two"), "expected comma-separated ints"),
+    (dict(tree="bushy"), "unknown tree 'bushy'"),
+  ],
+)
+def test_bad_settings_are_one_clear_error(overrides, message):
+  target = make_target(1.0)
+  with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    bench.settings_of(config(**overrides), target, {})
+
+
+def test_rows_pool_tau_and_check_losslessness_only_when_greedy():
+  base = bench.Setting("none", "mt_bench", 0.0, 2, 0, "")
+  spec = bench.Setting("pspec", "mt_bench", 0.0, 2, 3, "chain")
+  hot = bench.Setting("pspec", "mt_bench", 1.0, 2, 3, "chain")
+  hot_base = hot.baseline
+  plain = bench.Outcome(tokens=[[1, 2, 3, 4], [5, 6]], rounds=[3, 1], accepted=[[0] * 3] * 2)
+  drafted = bench.Outcome(tokens=[[1, 2, 3, 4], [5, 6]], rounds=[1, 1], accepted=[[1, 1, 0]] * 2)
+  wrong = bench.Outcome(tokens=[[1, 2, 3, 9], [5, 6]], rounds=[1, 1], accepted=[[1, 1, 0]] * 2)
+  records = {base: [(2.0, plain)], spec: [(1.0, drafted)], hot_base: [(2.0, plain)]}
+  records[hot] = [(1.0, wrong)]
+  row = bench._row(spec, records, dict(draft=0.2, verify=0.7, **{"accept+commit": 0.1}))
+  assert set(row) >= ROW_KEYS
+  assert row["speedup"] == pytest.approx(2.0) and row["tokens"] == 6
+  assert row["tau"] == pytest.approx((3 + 1) / 2) and row["tau_per_prompt"] == [3.0, 1.0]
+  assert row["accept_per_depth"] == [1.0, 1.0, 0.0]
+  assert row["lossless"] is True and row["draft_share"] == 0.2
+  assert bench._row(base, records, None)["tau"] == 1.0
+  sampled = bench._row(hot, records, None)
+  assert sampled["lossless"] is None and sampled["speedup"] == pytest.approx(2.0)
+  records[spec] = [(1.0, wrong)]
+  assert bench._row(spec, records, None)["lossless"] is False
+
+
+def test_report_and_plots_show_the_main_table_and_the_k_ablation(tmp_path):
+  def row(method, k, speedup, tau):
+    return dict(
+      method=method,
+      dataset="mt_bench",
+      temperature=0.0,
+      batch_size=1,
+      num_draft=k,
+      tree="chain" if k else "",
+      tokens_per_s=10.0 * speedup,
+      speedup=speedup,
+      tau=tau,
+      accept_per_depth=[0.5] * k,
+      draft_share=0.1,
+      verify_share=0.8,
+      commit_share=0.1,
+      lossless=True,
+      num_prompts=2,
+      tokens=20,
+      seconds=1.0,
+      tau_per_prompt=[tau, tau + 0.5],
+    )
+
+  rows = [row("none", 0, 1.0, 1.0)] + [row("pspec", k, 1 + k / 10, 1 + k / 3) for k in (1, 2, 3)]
+  meta = dict(
+    target="smollm2-135m-instruct",
+    machine="test machine",
+    processor="x86_64",
+    cpu_count=2,
+    devices=["cpu:0"],
+    jax_version="0",
+    drafters={"pspec": dict(kind="pspec", num_draft=4, tree="chain", source="d", trained_steps=9)},
+    config=dict(num_prompts=2, max_new_tokens=8),
+    skipped=["pspec K=5 tree chain: too deep"],
+  )
+  results = dict(meta=meta, rows=rows)
+  text = bench.report(results)
+  assert "| pspec (K=3) | 1.30x / 2.00 |" in text
+  assert "## K ablation" in text and "| pspec | 2 | chain | mt_bench |" in text
+  assert "test machine" in text and "Left out: pspec K=5" in text
+  written = bench.plots(results, str(tmp_path))
+  assert written == ["speedup.png", "tau.png", "k_ablation.png"]
+  for name in written:
+    assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_prompt_sets_ship_offline():
+  assert len(data.prompt_set("mt_bench")) == 80
+  humaneval = data.prompt_set("humaneval", 3)
+  assert len(humaneval) == 3 and humaneval[0].startswith("from typing import List")
+  sharegpt = data.prompt_set("sharegpt", 5)
+  assert len(sharegpt) == 5 and all(p.strip() for p in sharegpt)
+  with pytest.raises(ValueError, match="unknown prompt set 'nope'"):
+    data.prompt_set("nope")
+
+
+def test_a_real_run_writes_results_report_and_plots(tmp_path):
+  """The embedded default with its shipped pspec drafter and HF generate, on held-out ShareGPT."""
+  out = tmp_path / "bench"
+  result = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "infer.bench",
+      "--config=configs/bench_default.py:smoke",
+      "--config.methods=none,pspec,hf",
+      "--config.datasets=sharegpt",
+      f"--config.out={out}",
+    ],
+    cwd=ROOT,
+    env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""),
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert result.returncode == 0, result.stderr
+  results = json.loads((out / "results.json").read_text())
+  assert {"machine", "devices", "jax_version", "target", "drafters", "config"} <= set(
+    results["meta"]
+  )
+  rows = {r["method"]: r for r in results["rows"]}
+  assert list(rows) == ["none", "pspec", "hf"]
+  for r in rows.values():
+    assert set(r) >= ROW_KEYS and r["dataset"] == "sharegpt" and r["num_prompts"] == 2
+    assert r["tokens_per_s"] > 0 and 0 < r["tokens"] <= 2 * 8
+  assert rows["none"]["lossless"] is True and rows["pspec"]["lossless"] is True
+  assert isinstance(rows["hf"]["lossless"], bool)
+  assert rows["pspec"]["tau"] >= 1 and len(rows["pspec"]["accept_per_depth"]) == 4
+  shares = [rows["pspec"][k] for k in ("draft_share", "verify_share", "commit_share")]
+  assert sum(shares) == pytest.approx(1.0) and min(shares) > 0
+  assert (out / "report.md").read_text().startswith("# Decoding benchmark")
+  assert (out / "speedup.png").exists() and (out / "tau.png").exists()
