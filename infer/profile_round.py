@@ -47,6 +47,8 @@ def phase_split(target, drafter, prompts, cfg):
   verify = jax.jit(decode.verify, static_argnames="cfg")
   commit = jax.jit(decode.commit, static_argnames="cfg")
   draft = jax.jit(decode.draft, static_argnames="cfg")
+  if drafter is not None:
+    drafter = drafter.with_head(target)  # as `decode.generate` does, once per decode
   times = {"draft": [], "verify": [], "accept+commit": []}
   for warm_up in (True, False):
     for ids in prompts[:1] if warm_up else prompts:
