@@ -26,6 +26,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   config.num_draft = ""  # list of K; "" is each drafter's own
   config.tree = ""  # list of trees (chain, sparseN, dynamic:N); "" is each drafter's own
   config.drafter_dir = ""  # a directory of <kind>/ drafters; "" is the ones shipped for target
+  config.mesh = ""  # shard over a device mesh, e.g. "data=2,tensor=4"; "" is one device
   config.phase_prompts = 1  # prompts run phase by phase for the draft/verify/commit split
   config.step_profile = True  # `none`'s decode step against the memory-bandwidth floor
   config.torch_threads = 2

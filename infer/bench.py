@@ -260,7 +260,7 @@ def run(config, progress=True) -> dict:
   import transformers
   from tqdm import tqdm
 
-  from pspec_jax import checkpoints, data, decode, drafter_files
+  from pspec_jax import checkpoints, data, decode, drafter_files, sharding
   from pspec_jax.sampling import SamplingConfig
 
   transformers.logging.set_verbosity_error()
@@ -284,6 +284,11 @@ def run(config, progress=True) -> dict:
         spec = spec or drafter_files.shipped_drafter(target.cfg.name, method)
       drafters[method] = drafter_files.resolve_drafter(method, spec, target)
       drafter_meta[method] = _drafter_meta(drafters[method], spec)
+  mesh = None
+  if config.mesh:
+    mesh = sharding.make_mesh(**sharding.parse_mesh(config.mesh))
+    target, _ = decode.shard(mesh, target)
+    drafters = {m: decode.shard(mesh, target, d)[1] for m, d in drafters.items()}
   settings, skipped = settings_of(config, target, drafters)
   eos_ids = checkpoints.eos_token_ids(config.target, tokenizer)
   pad_id = tokenizer.pad_token_id or 0
@@ -296,6 +301,7 @@ def run(config, progress=True) -> dict:
       pad_id=pad_id,
       num_draft=s.num_draft,
       tree=s.tree,
+      mesh=mesh,
     )
 
   runners = {}

@@ -44,6 +44,9 @@ flags.DEFINE_string(
 )
 flags.DEFINE_integer("num_draft", None, "K, draft tokens per round (default: the drafter's).")
 flags.DEFINE_string("tree", None, "Tree: chain, sparseN or dynamic:N (default: the drafter's).")
+flags.DEFINE_string(
+  "mesh", "", "Shard over a device mesh, e.g. data=2,tensor=4 (default: one device)."
+)
 
 
 def _prompts() -> list[str]:
@@ -65,7 +68,7 @@ def run() -> None:
   import numpy as np
   import transformers
 
-  from pspec_jax import checkpoints, data, decode, drafter_files
+  from pspec_jax import checkpoints, data, decode, drafter_files, sharding
   from pspec_jax import tree as tree_lib
   from pspec_jax.sampling import SamplingConfig
 
@@ -77,6 +80,7 @@ def run() -> None:
   # Flag errors first: they need no model.
   if FLAGS.tree:
     tree_lib.parse(FLAGS.tree, FLAGS.num_draft or 8)
+  mesh = sharding.make_mesh(**sharding.parse_mesh(FLAGS.mesh)) if FLAGS.mesh else None
   tokenizer = checkpoints.load_tokenizer(FLAGS.target)
   chat = FLAGS.chat if FLAGS.chat is not None else tokenizer.chat_template is not None
   encoded = [data.encode_prompt(tokenizer, p, chat) for p in prompts]
@@ -93,7 +97,10 @@ def run() -> None:
     pad_id=tokenizer.pad_token_id or 0,
     num_draft=FLAGS.num_draft or 0,
     tree=FLAGS.tree or "",
+    mesh=mesh,
   )
+  if mesh is not None:
+    target, drafter = decode.shard(mesh, target, drafter)
   depth = decode.pool_tree(cfg, drafter).depth
   max_width = target.cfg.max_position_embeddings - cfg.max_new_tokens - depth
   live = sys.stdout.isatty() and not FLAGS.json and FLAGS.batch_size == 1

@@ -15,6 +15,10 @@ Plain auto-regressive decoding (`drafter=None`) is the round whose tree is the r
 `generate` runs prefill plus rounds until every sequence is done, all on device; `stream`
 drives the same jitted round function from the host. Shapes are fixed by (batch, prompt width,
 max_new_tokens, tree), so prompts padded to the same width reuse the compiled program.
+
+Sharded decoding: `shard` places target and drafter parameters on a mesh by the logical-axis
+rules of training (`sharding.RULES`: heads, MLP width and vocabulary over `tensor`), and
+`DecodeConfig.mesh` keeps the batch over `data` and the caches over batch and kv heads.
 """
 
 import dataclasses
@@ -24,7 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import Mesh, NamedSharding
 
+from pspec_jax import sharding
 from pspec_jax import tree as tree_lib
 from pspec_jax.accept import accept
 from pspec_jax.drafter import Drafter, Pairs, propose, take_rows
@@ -45,6 +51,8 @@ class DecodeConfig:
     pad_id: fills `DecodeOutput.tokens` past each sequence's length.
     num_draft: K, draft tokens per round; 0 means the drafter's own.
     tree: tree preset (`tree.parse`: chain, sparseN, dynamic:N); "" means the drafter's own.
+    mesh: shard the batch and the caches over this mesh (parameters: `shard`); None is one
+      device.
   """
 
   max_new_tokens: int = 128
@@ -54,6 +62,7 @@ class DecodeConfig:
   pad_id: int = 0
   num_draft: int = 0
   tree: str = ""
+  mesh: Mesh | None = None
 
   def __post_init__(self):
     if self.max_new_tokens < 1:
@@ -126,6 +135,57 @@ def _is_eos(tokens: jax.Array, cfg: DecodeConfig) -> jax.Array:
   return jnp.isin(tokens, jnp.asarray(cfg.eos_ids, jnp.int32))
 
 
+CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
+
+
+def _constrain(x: jax.Array, logical: tuple, cfg: DecodeConfig) -> jax.Array:
+  """x laid out on `cfg.mesh` by its logical axes (a no-op on one device)."""
+  if cfg.mesh is None:
+    return x
+  spec = sharding.spec_for(jax.sharding.PartitionSpec(*logical), x.shape, cfg.mesh)
+  return jax.lax.with_sharding_constraint(x, NamedSharding(cfg.mesh, spec))
+
+
+def _constrain_state(state: "DecodeState", cfg: DecodeConfig) -> "DecodeState":
+  """The state's caches over batch and kv heads, its per-sequence arrays over batch."""
+  if cfg.mesh is None:
+    return state
+
+  def cache(c):
+    if c is None:
+      return None
+    return c.replace(k=_constrain(c.k, CACHE_AXES, cfg), v=_constrain(c.v, CACHE_AXES, cfg))
+
+  return state.replace(
+    cache=cache(state.cache),
+    drafter_cache=cache(state.drafter_cache),
+    tokens=_constrain(state.tokens, ("batch", "length"), cfg),
+  )
+
+
+def shard(mesh: Mesh, target: Target, drafter: Drafter | None = None):
+  """Target and drafter with their parameters placed on `mesh` by the logical-axis rules.
+
+  Returns (target, drafter); decode them with `DecodeConfig(mesh=mesh)`.
+  """
+  from pspec_jax import drafter as drafter_lib
+  from pspec_jax import llama
+
+  def place(params, init_boxed, cfg):
+    specs = sharding.logical_specs(init_boxed, cfg)
+    return jax.device_put(params, sharding.shardings(specs, params, mesh))
+
+  target = target.replace(params=place(target.params, llama.init_boxed, target.cfg))
+  if drafter is not None:
+    replicated = sharding.replicated(mesh)
+    drafter = drafter.replace(
+      params=place(drafter.params, drafter_lib.init_boxed, drafter.cfg),
+      vocab=None if drafter.vocab is None else jax.device_put(drafter.vocab, replicated),
+      head=None if drafter.head is None else jax.device_put(drafter.head, replicated),
+    )
+  return target, drafter
+
+
 def init(
   target: Target,
   prompt_tokens: jax.Array,
@@ -165,7 +225,7 @@ def init(
   )
   # Prompt pair t is (f_t, x_{t+1}); the last one carries the first bonus token.
   pairs = Pairs(tokens=tokens[:, 1 : width + 1], features=features, count=prompt_lengths)
-  return draft(target, drafter, state, pairs, cfg)
+  return _constrain_state(draft(target, drafter, state, pairs, cfg), cfg)
 
 
 def verify(target: Target, state: DecodeState, cfg: DecodeConfig, drafter=None) -> Verified:
@@ -257,7 +317,7 @@ def round_step(
 ) -> DecodeState:
   """One round: verify the drafted tree, accept and commit, draft the next tree."""
   state, pairs = commit(state, verify(target, state, cfg, drafter), cfg, drafter)
-  return draft(target, drafter, state, pairs, cfg)
+  return _constrain_state(draft(target, drafter, state, pairs, cfg), cfg)
 
 
 def finish(state: DecodeState, cfg: DecodeConfig) -> DecodeOutput:
@@ -275,6 +335,8 @@ def finish(state: DecodeState, cfg: DecodeConfig) -> DecodeOutput:
 
 
 def _generate(target, drafter, prompt_tokens, prompt_lengths, key, cfg):
+  prompt_tokens = _constrain(prompt_tokens, ("batch", "length"), cfg)
+  prompt_lengths = _constrain(prompt_lengths, ("batch",), cfg)
   if drafter is not None:
     drafter = drafter.with_head(target)  # loop-invariant: gathered once, not every round
   state = init(target, prompt_tokens, prompt_lengths, key, cfg, drafter)

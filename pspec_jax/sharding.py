@@ -54,6 +54,17 @@ def mesh_shape(num_devices: int, data: int = -1, fsdp: int = 1, tensor: int = 1)
   return tuple(sizes)
 
 
+def parse_mesh(spec: str) -> dict[str, int]:
+  """Mesh sizes from text such as `data=2,tensor=4` (axes left out are 1; one may be -1)."""
+  sizes = dict(data=1, fsdp=1, tensor=1)
+  for part in filter(None, (p.strip() for p in spec.split(","))):
+    name, _, value = part.partition("=")
+    if name not in sizes or not value.lstrip("-").isdigit():
+      raise ValueError(f"bad mesh {spec!r}: use e.g. data=2,tensor=4 (axes: {', '.join(AXES)})")
+    sizes[name] = int(value)
+  return sizes
+
+
 def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> Mesh:
   """A (data, fsdp, tensor) mesh over `devices` (default: all of them)."""
   devices = jax.devices() if devices is None else devices

@@ -12,8 +12,9 @@ from pspec_jax import checkpoints, data
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_cli(*flags, timeout=300):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+def run_cli(*flags, timeout=300, devices=1):
+  xla = f"--xla_force_host_platform_device_count={devices}" if devices > 1 else ""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla)
   return subprocess.run(
     [sys.executable, "-m", "infer.generate", *flags],
     cwd=ROOT,
@@ -59,6 +60,8 @@ def test_mt_bench_questions_are_read_first_turn():
       "error: unknown tree 'bushy'",
     ),
     (["--prompt=hi", "--method=pspec", "--drafter=/nonexistent"], "error: drafter not found"),
+    (["--prompt=hi", "--mesh=model=2"], "error: bad mesh 'model=2'"),
+    (["--prompt=hi", "--mesh=data=2,tensor=2"], "error: mesh {'data': 2, 'fsdp': 1, 'tensor': 2}"),
   ],
 )
 def test_bad_input_is_one_clear_line(flags, message):
@@ -106,3 +109,13 @@ def test_drafting_through_the_cli_is_lossless(tmp_path, method):
     assert spec["tau"] >= 1 and 1 <= spec["rounds"] <= plain["rounds"]
     assert spec["tau"] * spec["rounds"] == pytest.approx(spec["num_tokens"] - 1, abs=0.01)
   assert any(r["tau"] > 1 for r in drafted)
+
+
+def test_sharded_decoding_through_the_cli_gives_the_same_tokens():
+  """The embedded target over a tensor=2 mesh of two (fake) devices: MLP and vocabulary split."""
+  flags = ["--prompt=Name three colours.", "--max_new_tokens=12", "--json", "--method=pspec"]
+  runs = [run_cli(*flags), run_cli(*flags, "--mesh=tensor=2", devices=2)]
+  for result in runs:
+    assert result.returncode == 0, result.stderr
+  single, sharded = (json.loads(r.stdout) for r in runs)
+  assert sharded["tokens"] == single["tokens"] and len(single["tokens"]) == 12

@@ -1,0 +1,58 @@
+"""Decoding with parameters, batch and caches sharded over a mesh of 8 (fake) devices."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from pspec_jax import decode, llama, sharding
+from tests.tiny_models import drafter_for, make_target, padded
+
+# Widths that every mesh axis divides, so heads, MLP and vocabulary are really split.
+WIDE = llama.LlamaConfig(
+  name="wide",
+  vocab_size=64,
+  hidden_size=64,
+  intermediate_size=128,
+  num_layers=2,
+  num_heads=8,
+  num_kv_heads=4,
+  max_position_embeddings=256,
+)
+PROMPTS = [[5, 9, 2, 13, 7], [1, 2], [10, 11, 12, 13, 14, 15, 3, 4, 8], [6]]
+
+
+@pytest.fixture(scope="module")
+def target():
+  return make_target(4.0, cfg=WIDE)
+
+
+@pytest.mark.parametrize("mesh_shape", [dict(data=1, tensor=8), dict(data=2, tensor=4)])
+@pytest.mark.parametrize("kind", [None, "pspec"])
+def test_sharded_greedy_decoding_gives_the_single_device_tokens(target, mesh_shape, kind):
+  drafter = None if kind is None else drafter_for(kind, target, num_draft=3)
+  tokens, lengths = padded(PROMPTS)
+  cfg = decode.DecodeConfig(max_new_tokens=20, num_draft=3 if kind else 0)
+  key = jax.random.key(0)
+  single = jax.device_get(decode.generate(target, tokens, lengths, key, cfg, drafter))
+
+  mesh = sharding.make_mesh(**mesh_shape)
+  sharded_target, sharded_drafter = decode.shard(mesh, target, drafter)
+  q = sharded_target.params["layers_0"]["attn"]["q"]
+  assert q.sharding.spec == PartitionSpec(None, "tensor", None)
+  mesh_cfg = decode.DecodeConfig(max_new_tokens=20, num_draft=3 if kind else 0, mesh=mesh)
+  out = jax.device_get(
+    decode.generate(sharded_target, tokens, lengths, key, mesh_cfg, sharded_drafter)
+  )
+  np.testing.assert_array_equal(out.tokens, single.tokens)
+  np.testing.assert_array_equal(out.lengths, single.lengths)
+  np.testing.assert_array_equal(out.rounds, single.rounds)
+
+  # The cache lives split over batch (data) and kv heads (tensor, when it divides them).
+  state = jax.jit(decode.init, static_argnames="cfg")(
+    sharded_target, tokens, lengths, key, mesh_cfg, sharded_drafter
+  )
+  data = "data" if mesh_shape["data"] > 1 else None
+  heads = "tensor" if WIDE.num_kv_heads % mesh_shape["tensor"] == 0 else None
+  expected = NamedSharding(mesh, PartitionSpec(None, data, None, heads, None))
+  assert state.cache.k.sharding.is_equivalent_to(expected, 5)
