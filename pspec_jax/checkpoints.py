@@ -23,7 +23,10 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from flax import traverse_util
+from jax.sharding import Mesh
 
+from pspec_jax import llama, sharding
 from pspec_jax.llama import LlamaConfig, RopeScaling, Target, stack_layers
 
 EMBEDDED_TARGETS = {
@@ -117,13 +120,20 @@ def config_from_hf(hf: dict, name: str, **overrides) -> LlamaConfig:
 # Parameters
 
 
-def params_from_hf(cfg: LlamaConfig, get: Callable[[str], np.ndarray]) -> dict:
+def params_from_hf(
+  cfg: LlamaConfig, get: Callable[[str], np.ndarray], place: Callable | None = None
+) -> dict:
   """Our parameter tree from HF-named tensors in HF's [out, in] layout.
+
+  Tensors are read, converted and placed one at a time (at most one layer is on the host).
 
   Args:
     cfg: the target architecture; every tensor's shape is checked against it.
     get: returns the tensor of a HF name (numpy, any float dtype); KeyError if absent.
+    place: `place(path, array)` puts one converted tensor on its device(s), `path` being its
+      key path in the per-layer tree (`("layers_0", "attn", "q")`); default: the default device.
   """
+  place = place or (lambda path, x: jnp.asarray(x))
   d, n, k, h, f = (
     cfg.hidden_size,
     cfg.num_heads,
@@ -162,18 +172,23 @@ def params_from_hf(cfg: LlamaConfig, get: Callable[[str], np.ndarray]) -> dict:
       },
     }
 
+  def placed(prefix, tree):
+    return jax.tree_util.tree_map_with_path(
+      lambda path, x: place(prefix + tuple(k.key for k in path), x), tree
+    )
+
   params = {
-    "embedding": jnp.asarray(tensor("model.embed_tokens.weight", (cfg.vocab_size, d))),
-    "norm": {"scale": jnp.asarray(tensor("model.norm.weight", (d,)))},
+    "embedding": place(("embedding",), tensor("model.embed_tokens.weight", (cfg.vocab_size, d))),
+    "norm": {"scale": place(("norm", "scale"), tensor("model.norm.weight", (d,)))},
   }
   # One layer at a time, straight into the layout the config asks for.
-  layers = [jax.tree.map(jnp.asarray, layer(i)) for i in range(cfg.num_layers)]
+  layers = [placed((f"layers_{i}",), layer(i)) for i in range(cfg.num_layers)]
   if cfg.scan_layers:
     params["layers"] = stack_layers(layers)
   else:
     params.update({f"layers_{i}": p for i, p in enumerate(layers)})
   if not cfg.tie_embeddings:
-    params["lm_head"] = jnp.asarray(tensor("lm_head.weight", (cfg.vocab_size, d)).T)
+    params["lm_head"] = place(("lm_head",), tensor("lm_head.weight", (cfg.vocab_size, d)).T)
   return params
 
 
@@ -357,19 +372,25 @@ def _gguf_tensors(reader, cfg: LlamaConfig) -> Callable[[str], np.ndarray]:
 
 
 def load_target(
-  spec: str, *, dtype=jnp.float32, param_dtype=jnp.float32, scan_layers: bool = True
+  spec: str,
+  *,
+  dtype=jnp.float32,
+  param_dtype=jnp.float32,
+  scan_layers: bool = True,
+  mesh: Mesh | None = None,
 ) -> Target:
   """Loads a target by name, HF directory or .gguf path. One ValueError for any bad input.
 
   `scan_layers=False` gives per-layer parameters (see `LlamaConfig.scan_layers`), the faster
-  layout for decoding on CPU.
+  layout for decoding on CPU. With a `mesh`, every tensor goes straight from the file to its
+  shards (`sharding.RULES`), so the host never holds more than one layer.
   """
   source = resolve_target(spec)
   overrides = dict(dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers)
   if source.kind == "gguf":
     reader = _gguf_reader(source.path)
     cfg = _gguf_config(reader, source.name, **overrides)
-    params = params_from_hf(cfg, _gguf_tensors(reader, cfg))
+    params = params_from_hf(cfg, _gguf_tensors(reader, cfg), _placer(cfg, mesh))
   else:
     config_path = os.path.join(source.path, "config.json")
     try:
@@ -378,8 +399,20 @@ def load_target(
     except ValueError as e:
       raise ValueError(f"corrupt config file {config_path}: {e}") from None
     cfg = config_from_hf(hf_config, source.name, **overrides)
-    params = params_from_hf(cfg, _hf_tensors(source.path).__getitem__)
+    params = params_from_hf(cfg, _hf_tensors(source.path).__getitem__, _placer(cfg, mesh))
+  if mesh is not None and scan_layers:
+    # Stacked on device from the per-layer shards; now laid out as the scanned tree's rules say.
+    params = jax.device_put(params, sharding.param_shardings(llama.init_boxed, cfg, mesh))
   return Target(cfg=cfg, params=params)
+
+
+def _placer(cfg: LlamaConfig, mesh: Mesh | None) -> Callable | None:
+  """`place(path, array)` for `params_from_hf`: each tensor to its shards of the per-layer tree."""
+  if mesh is None:
+    return None
+  per_layer = cfg.replace(scan_layers=False)
+  table = traverse_util.flatten_dict(sharding.param_shardings(llama.init_boxed, per_layer, mesh))
+  return lambda path, x: jax.device_put(x, table[path])
 
 
 def load_tokenizer(spec: str):

@@ -172,8 +172,7 @@ def shard(mesh: Mesh, target: Target, drafter: Drafter | None = None):
   from pspec_jax import llama
 
   def place(params, init_boxed, cfg):
-    specs = sharding.logical_specs(init_boxed, cfg)
-    return jax.device_put(params, sharding.shardings(specs, params, mesh))
+    return jax.device_put(params, sharding.param_shardings(init_boxed, cfg, mesh))
 
   target = target.replace(params=place(target.params, llama.init_boxed, target.cfg))
   if drafter is not None:

@@ -72,10 +72,11 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> M
   return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
 
 
-def logical_specs(init_boxed, cfg) -> Any:
-  """Logical PartitionSpecs of the parameters `init_boxed(cfg, key)` creates (nothing is
-  allocated: the init is only traced)."""
-  return nn.get_partition_spec(jax.eval_shape(lambda: init_boxed(cfg, jax.random.key(0))))
+def param_shardings(init_boxed, cfg, mesh: Mesh, rules=RULES) -> Any:
+  """NamedShardings of the parameters `init_boxed(cfg, key)` creates (only traced, so nothing
+  is allocated), by their logical axis names."""
+  boxed = jax.eval_shape(lambda: init_boxed(cfg, jax.random.key(0)))
+  return shardings(nn.get_partition_spec(boxed), nn.meta.unbox(boxed), mesh, rules)
 
 
 def spec_for(logical: PartitionSpec, shape: tuple, mesh: Mesh, rules=RULES) -> PartitionSpec:

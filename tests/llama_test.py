@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from jax.sharding import PartitionSpec
 
-from pspec_jax import checkpoints, llama
+from pspec_jax import checkpoints, llama, sharding
 
 HF_CONFIGS = {
   "gqa_untied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
@@ -89,6 +90,28 @@ def test_sharded_checkpoint_with_index_loads(tmp_path):
   tokens = np.random.default_rng(2).integers(0, 96, (1, 12))
   np.testing.assert_allclose(
     full_forward_logits(target, tokens), hf_logits(model, tokens), atol=1e-4, rtol=0
+  )
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_sharded_checkpoint_loads_straight_into_a_mesh(tmp_path, scan_layers):
+  """Llama-2 architecture (MHA, untied) in several safetensors files, onto data=2 x tensor=4."""
+  save_hf_llama(tmp_path, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)
+  transformers.LlamaForCausalLM.from_pretrained(tmp_path).save_pretrained(
+    tmp_path, max_shard_size="40KB"
+  )
+  (tmp_path / "model.safetensors").unlink(missing_ok=True)
+  assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+  mesh = sharding.make_mesh(data=2, tensor=4)
+  whole = checkpoints.load_target(str(tmp_path), scan_layers=scan_layers)
+  split = checkpoints.load_target(str(tmp_path), scan_layers=scan_layers, mesh=mesh)
+  q = split.params["layers"]["attn"]["q"] if scan_layers else split.params["layers_0"]["attn"]["q"]
+  assert q.sharding.spec == PartitionSpec(*([None] * scan_layers), None, "tensor", None)
+  assert q.addressable_shards[0].data.shape[-2] == 1  # 4 heads over tensor=4
+  assert split.params["lm_head"].sharding.spec == PartitionSpec(None, "tensor")
+  tokens = np.random.default_rng(3).integers(0, 96, (2, 12))
+  np.testing.assert_allclose(
+    full_forward_logits(split, tokens), full_forward_logits(whole, tokens), atol=1e-5, rtol=0
   )
 
 

@@ -175,14 +175,9 @@ def placement(cfg: StepConfig, mesh) -> Placement:
   from pspec_jax import llama, sharding
 
   key = jax.random.key(0)
-  target_shapes = jax.eval_shape(lambda: llama.init_params(cfg.target, key))
-  target = sharding.shardings(
-    sharding.logical_specs(llama.init_boxed, cfg.target), target_shapes, mesh
-  )
+  target = sharding.param_shardings(llama.init_boxed, cfg.target, mesh)
+  params = sharding.param_shardings(drafter_lib.init_boxed, cfg.drafter, mesh)
   drafter_shapes = jax.eval_shape(lambda: drafter_lib.init_params(cfg.drafter, key))
-  params = sharding.shardings(
-    sharding.logical_specs(drafter_lib.init_boxed, cfg.drafter), drafter_shapes, mesh
-  )
   replicated = sharding.replicated(mesh)
   opt_shapes = jax.eval_shape(cfg.optimizer.make().init, drafter_shapes)
   opt_state = optax.tree_map_params(
