@@ -274,7 +274,8 @@ def run(config, progress=True) -> dict:
       raise ValueError("methods hf and hf_pld need torch: pip install -e '.[test]'") from None
   tokenizer = checkpoints.load_tokenizer(config.target)
   prompts = load_prompts(config, tokenizer)
-  target = checkpoints.load_target(config.target, scan_layers=False)
+  mesh = sharding.make_mesh(**sharding.parse_mesh(config.mesh)) if config.mesh else None
+  target = checkpoints.load_target(config.target, scan_layers=False, mesh=mesh)
   drafters, drafter_meta = {}, {}
   for method in methods:
     if method in ("pld", "medusa", "eagle", "pspec"):
@@ -284,10 +285,7 @@ def run(config, progress=True) -> dict:
         spec = spec or drafter_files.shipped_drafter(target.cfg.name, method)
       drafters[method] = drafter_files.resolve_drafter(method, spec, target)
       drafter_meta[method] = _drafter_meta(drafters[method], spec)
-  mesh = None
-  if config.mesh:
-    mesh = sharding.make_mesh(**sharding.parse_mesh(config.mesh))
-    target, _ = decode.shard(mesh, target)
+  if mesh is not None:
     drafters = {m: decode.shard(mesh, target, d)[1] for m, d in drafters.items()}
   settings, skipped = settings_of(config, target, drafters)
   eos_ids = checkpoints.eos_token_ids(config.target, tokenizer)

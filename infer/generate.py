@@ -84,7 +84,7 @@ def run() -> None:
   tokenizer = checkpoints.load_tokenizer(FLAGS.target)
   chat = FLAGS.chat if FLAGS.chat is not None else tokenizer.chat_template is not None
   encoded = [data.encode_prompt(tokenizer, p, chat) for p in prompts]
-  target = checkpoints.load_target(FLAGS.target, scan_layers=False)
+  target = checkpoints.load_target(FLAGS.target, scan_layers=False, mesh=mesh)
   if FLAGS.num_draft is not None and FLAGS.num_draft < 1:
     raise ValueError(f"--num_draft must be >= 1, got {FLAGS.num_draft}")
   drafter = drafter_files.resolve_drafter(
@@ -100,7 +100,7 @@ def run() -> None:
     mesh=mesh,
   )
   if mesh is not None:
-    target, drafter = decode.shard(mesh, target, drafter)
+    _, drafter = decode.shard(mesh, target, drafter)
   depth = decode.pool_tree(cfg, drafter).depth
   max_width = target.cfg.max_position_embeddings - cfg.max_new_tokens - depth
   live = sys.stdout.isatty() and not FLAGS.json and FLAGS.batch_size == 1
