@@ -39,10 +39,12 @@ def save_drafter(
 ) -> None:
   """Writes the drafter's config and parameters (plus `extra` notes in the JSON).
 
-  `dtype` is the storage type of the parameters (e.g. `ml_dtypes.bfloat16` to halve the file);
-  they are loaded back in the drafter's own `param_dtype`.
+  `directory` may be local or a URL such as gs://bucket/run/export (written through
+  `etils.epath`). `dtype` is the storage type of the parameters (e.g. `ml_dtypes.bfloat16` to
+  halve the file); they are loaded back in the drafter's own `param_dtype`.
   """
-  from safetensors.numpy import save_file
+  from etils import epath
+  from safetensors.numpy import save
 
   cfg = drafter.cfg
   config = dict(
@@ -56,16 +58,16 @@ def save_drafter(
     max_ngram=cfg.max_ngram,
     draft_vocab_size=cfg.draft_vocab_size,
   ) | (extra or {})
-  os.makedirs(directory, exist_ok=True)
+  out = epath.Path(directory)
+  out.mkdir(parents=True, exist_ok=True)
   flat = traverse_util.flatten_dict(jax.device_get(drafter.params), sep="/")
   tensors = {
     k: np.ascontiguousarray(np.asarray(v, np.float32).astype(dtype)) for k, v in flat.items()
   }
   if drafter.vocab is not None:
     tensors[VOCAB_TENSOR] = np.asarray(drafter.vocab, np.int32)
-  save_file(tensors, os.path.join(directory, PARAMS_FILE))
-  with open(os.path.join(directory, CONFIG_FILE), "w") as fh:
-    json.dump(config, fh, indent=2)
+  (out / PARAMS_FILE).write_bytes(save(tensors))
+  (out / CONFIG_FILE).write_text(json.dumps(config, indent=2))
 
 
 def load_drafter(directory: str, target: Target) -> Drafter:

@@ -137,3 +137,13 @@ def test_selfdistill_writes_resumable_shards(tmp_path):
   result = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True)
   assert result.returncode == 0, result.stderr[-3000:]
   assert (out / shards[0]).read_text() == first  # greedy: the same answers again
+
+
+def test_workdir_urls_are_kept_and_local_paths_made_absolute(tmp_path, monkeypatch):
+  from train import distill
+
+  monkeypatch.chdir(tmp_path)
+  assert (
+    str(distill.workdir_path("gs://bucket/run") / "checkpoints") == "gs://bucket/run/checkpoints"
+  )
+  assert str(distill.workdir_path("runs/a")) == str(tmp_path / "runs" / "a")

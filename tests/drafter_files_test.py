@@ -249,3 +249,22 @@ def test_newer_format_and_a_drafter_for_pld_are_errors(target, tmp_path):
     drafter_files.load_drafter(str(tmp_path), target)
   with pytest.raises(ValueError, match="--method=pld takes no --drafter"):
     drafter_files.resolve_drafter("pld", str(tmp_path), target)
+
+
+def test_export_to_an_object_store_url(target, tmp_path):
+  """A gs:// export directory is written through epath (the store is mocked by a local dir)."""
+  from etils import epath
+  from etils.epath import testing
+
+  def local(path):
+    return str(path).replace("gs://bucket", str(tmp_path))
+
+  def redirect(fn, path, *args, **kwargs):
+    return fn(local(path), *args, **kwargs)
+
+  mocks = {name: redirect for name in ("open", "makedirs", "mkdir", "exists", "isdir")}
+  drafter = make_drafter("eagle", target)
+  with testing.mock_epath(**mocks):
+    drafter_files.save_drafter(epath.Path("gs://bucket/run/export"), drafter)
+  loaded = drafter_files.load_drafter(str(tmp_path / "run" / "export"), target)
+  assert loaded.cfg == drafter.cfg

@@ -63,6 +63,13 @@ def _scalars(metrics: dict, prefix: str = "") -> dict:
   return out
 
 
+def workdir_path(workdir: str):
+  """The workdir as an `epath.Path`: local paths made absolute, URLs (gs://...) kept."""
+  from etils import epath
+
+  return epath.Path(workdir if "://" in workdir else os.path.abspath(workdir))
+
+
 def train(config, workdir: str) -> None:
   import dataclasses
 
@@ -139,7 +146,7 @@ def train(config, workdir: str) -> None:
   state = step_lib.jit_init(cfg, place)(jax.random.fold_in(key, 1), vocab)
 
   manager = ocp.CheckpointManager(
-    os.path.abspath(os.path.join(workdir, "checkpoints")),
+    workdir_path(workdir) / "checkpoints",
     options=ocp.CheckpointManagerOptions(
       max_to_keep=t.keep_checkpoints,
       save_interval_steps=t.checkpoint_every,
@@ -226,7 +233,7 @@ def train(config, workdir: str) -> None:
   if main:
     params = jax.device_get(state.params)
     save_drafter(
-      os.path.join(workdir, "export"),
+      workdir_path(workdir) / "export",
       Drafter(cfg=cfg.drafter, params=params, vocab=jax.device_get(state.draft_vocab)),
       extra={"trained_steps": int(state.step), "config": config.to_dict()},
       dtype=build.storage_dtype(config.drafter.export_dtype),

@@ -1,7 +1,12 @@
-"""Training metrics: one JSON line per log step, and TensorBoard event files."""
+"""Training metrics: one JSON line per log step, and TensorBoard event files.
+
+The workdir may be local or a URL such as gs://bucket/run (through `etils.epath`; TensorBoard
+files on GCS need the `google-cloud-storage` package, which the `tpu` extra installs).
+"""
 
 import json
-import os
+
+from etils import epath
 
 
 class MetricsLog:
@@ -13,15 +18,20 @@ class MetricsLog:
       return
     from tensorboardX import SummaryWriter
 
-    os.makedirs(workdir, exist_ok=True)
-    self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")  # noqa: SIM115
-    self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+    directory = epath.Path(workdir)
+    directory.mkdir(parents=True, exist_ok=True)
+    self._path = directory / "metrics.jsonl"
+    # Object stores cannot append: the whole file is rewritten (it is small) on every write.
+    self._text = self._path.read_text() if self._path.exists() else ""
+    self._tb = SummaryWriter(str(directory / "tb"))
 
   def write(self, step: int, scalars: dict[str, float]) -> None:
     if not self.active:
       return
-    self._jsonl.write(json.dumps({"step": step} | scalars) + "\n")
-    self._jsonl.flush()
+    self._text += json.dumps({"step": step} | scalars) + "\n"
+    partial = self._path.parent / (self._path.name + ".partial")
+    partial.write_text(self._text)
+    partial.replace(self._path)  # a run killed mid-write keeps the previous file
     for name, value in scalars.items():
       self._tb.add_scalar(name, value, step)
     self._tb.flush()
@@ -32,5 +42,4 @@ class MetricsLog:
 
   def close(self) -> None:
     if self.active:
-      self._jsonl.close()
       self._tb.close()
