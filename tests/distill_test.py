@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,6 +63,26 @@ def test_smoke_run_logs_checkpoints_and_exports(uninterrupted, smollm2):
   target, _ = smollm2
   drafter = drafter_files.load_drafter(str(workdir / "export"), target)
   assert drafter.cfg.kind == "pspec" and drafter.cfg.num_draft == 4
+
+
+def test_eval_only_scores_the_last_checkpoint(uninterrupted, tmp_path):
+  workdir, cache = uninterrupted
+  copy = tmp_path / "run"
+  shutil.copytree(workdir, copy)
+  result = subprocess.run(
+    _command("train.distill", copy, cache, "--eval_only"),
+    cwd=ROOT,
+    env=_env(),
+    capture_output=True,
+    text=True,
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  (line,) = [x for x in result.stdout.splitlines() if x.startswith("held-out at step 6: ")]
+  scores = json.loads(line.split(": ", 1)[1])
+  assert set(scores) >= {"loss", "agree_per_depth/d1", "agree_per_depth/d4"}
+  last = json.loads((copy / "metrics.jsonl").read_text().splitlines()[-1])
+  assert last["step"] == 6 and last["eval/loss"] == pytest.approx(scores["loss"])
+  assert _train_lines(copy) == _train_lines(workdir)  # nothing trained
 
 
 def test_killed_run_resumes_where_it_stopped(uninterrupted, tmp_path):

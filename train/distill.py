@@ -23,6 +23,9 @@ FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Training config file.", lock_config=True)
 flags.DEFINE_string("workdir", None, "Checkpoints, metrics and the export (default: config).")
 flags.DEFINE_bool("dry_run", False, "Print the per-device memory plan and exit; allocates nothing.")
+flags.DEFINE_bool(
+  "eval_only", False, "Evaluate the workdir's last checkpoint on the held-out split and exit."
+)
 
 
 def step_config(config, scan_layers: bool = True):
@@ -70,7 +73,7 @@ def workdir_path(workdir: str):
   return epath.Path(workdir if "://" in workdir else os.path.abspath(workdir))
 
 
-def train(config, workdir: str) -> None:
+def train(config, workdir: str, eval_only: bool = False) -> None:
   import dataclasses
 
   import jax
@@ -188,6 +191,25 @@ def train(config, workdir: str) -> None:
       "config",
       json.dumps(dict(config=config.to_dict(), train_conversations=len(loaded["train"]))),
     )
+
+  def evaluate(done: int) -> dict[str, float]:
+    evals = [
+      eval_step(state, target_params, global_batch("heldout", i), key)
+      for i in range(t.eval_batches)
+    ]
+    scalars = _scalars(jax.tree.map(lambda *xs: np.mean(xs, axis=0), *jax.device_get(evals)))
+    log.write(done, {f"eval/{k}": v for k, v in scalars.items()})
+    return scalars
+
+  if eval_only:
+    if start is None:
+      raise ValueError(f"{workdir} has no checkpoint to evaluate")
+    scalars = evaluate(first)
+    if main:
+      print(f"held-out at step {first}: " + json.dumps(scalars), flush=True)
+    log.close()
+    manager.close()
+    return
   bar = tqdm(total=t.steps, initial=first, desc=f"distill {cfg.drafter.kind}", disable=not main)
   tokens_per_step = t.batch_size * config.data.seq_len
   last_time = time.perf_counter()
@@ -220,12 +242,7 @@ def train(config, workdir: str) -> None:
       log.write(done, scalars)
       bar.set_postfix(loss=f"{loss:.3f}", agree1=f"{scalars.get('agree_per_depth/d1', 0):.2f}")
     if done % t.eval_every == 0 or done == t.steps:
-      evals = [
-        eval_step(state, target_params, global_batch("heldout", i), key)
-        for i in range(t.eval_batches)
-      ]
-      mean = jax.tree.map(lambda *xs: np.mean(xs, axis=0), *jax.device_get(evals))
-      log.write(done, _scalars(mean, "eval/"))
+      evaluate(done)
       last_time = time.perf_counter()
   bar.close()
   manager.wait_until_finished()
@@ -256,7 +273,7 @@ def main(argv):
   workdir = FLAGS.workdir or config.workdir
   if not workdir:
     raise ValueError("give --workdir (or config.workdir)")
-  train(config, workdir)
+  train(config, workdir, eval_only=FLAGS.eval_only)
 
 
 if __name__ == "__main__":
