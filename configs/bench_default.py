@@ -4,6 +4,8 @@ r"""Benchmark of the embedded default: every method on MT-Bench, greedy, batch 1
   python -m infer.bench --config.datasets=mt_bench,humaneval,sharegpt --config.num_prompts=20
   python -m infer.bench --config=configs/bench_default.py:ablation   # K = 1..4, chain and sparse8
   python -m infer.bench --config=configs/bench_default.py:smoke      # seconds; tests
+  python -m infer.bench --dry_run --config.target=path/to/Llama-2-13b-chat-hf \
+      --config.dtype=bfloat16 --config.hardware=v4-32 --config.mesh=data=4,tensor=4
 
 List-valued keys take comma-separated values: `--config.temperature=0,1`.
 Writes results.json, report.md and plots under bench_results/<timestamp>/ (or `out`).
@@ -26,6 +28,8 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   config.num_draft = ""  # list of K; "" is each drafter's own
   config.tree = ""  # list of trees (chain, sparseN, dynamic:N); "" is each drafter's own
   config.drafter_dir = ""  # a directory of <kind>/ drafters; "" is the ones shipped for target
+  config.dtype = "float32"  # of the target's weights and compute
+  config.hardware = "cpu"  # what --dry_run plans for: cpu, v4-8, v4-32, v5e-16, gpu-80gb
   config.mesh = ""  # shard over a device mesh, e.g. "data=2,tensor=4"; "" is one device
   config.phase_prompts = 1  # prompts run phase by phase for the draft/verify/commit split
   config.step_profile = True  # `none`'s decode step against the memory-bandwidth floor

@@ -27,11 +27,16 @@ import statistics
 import sys
 import time
 
-from absl import app, logging
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
   "config", os.path.join(os.path.dirname(__file__), "..", "configs", "bench_default.py")
+)
+_DRY_RUN = flags.DEFINE_bool(
+  "dry_run",
+  False,
+  "Print per-device memory of decoding on config.mesh and config.hardware; allocates nothing.",
 )
 OUR_METHODS = ("none", "pld", "medusa", "eagle", "pspec")
 HF_METHODS = ("hf", "hf_pld")
@@ -255,6 +260,37 @@ def load_prompts(config, tokenizer) -> dict[str, list[list[int]]]:
   return out
 
 
+def dry_run(config) -> str:
+  """The memory plan of the configured decoding (the largest batch, tree and K asked for)."""
+  import jax.numpy as jnp
+
+  from infer import plan
+  from pspec_jax import checkpoints, data, sharding
+  from pspec_jax import drafter as drafter_lib
+  from pspec_jax import tree as tree_lib
+
+  dtype = jnp.dtype(config.dtype)
+  target = checkpoints.load_target_config(
+    config.target, dtype=dtype, param_dtype=dtype, scan_layers=False
+  )
+  kinds = [m for m in _values(config.methods, str) if m in ("medusa", "eagle", "pspec")]
+  ks = _values(config.num_draft, int) or [0]
+  k = max(ks) or 4
+  drafters = [drafter_lib.DrafterConfig.for_target(kind, target, num_draft=k) for kind in kinds]
+  trees = [tree_lib.parse(t or "chain", k) for t in _values(config.tree, str)]
+  return plan.decode_memory_table(
+    target,
+    drafters,
+    batch=max(_values(config.batch_size, int)),
+    prompt_width=data.bucket(config.max_prompt_tokens),
+    max_new_tokens=config.max_new_tokens,
+    tree_nodes=max(t.num_nodes for t in trees),
+    tree_depth=max(t.depth for t in trees),
+    hardware=config.hardware,
+    mesh=sharding.parse_mesh(config.mesh),
+  )
+
+
 def run(config, progress=True) -> dict:
   import jax
   import transformers
@@ -275,7 +311,10 @@ def run(config, progress=True) -> dict:
   tokenizer = checkpoints.load_tokenizer(config.target)
   prompts = load_prompts(config, tokenizer)
   mesh = sharding.make_mesh(**sharding.parse_mesh(config.mesh)) if config.mesh else None
-  target = checkpoints.load_target(config.target, scan_layers=False, mesh=mesh)
+  dtype = jax.numpy.dtype(config.dtype)
+  target = checkpoints.load_target(
+    config.target, dtype=dtype, param_dtype=dtype, scan_layers=False, mesh=mesh
+  )
   drafters, drafter_meta = {}, {}
   for method in methods:
     if method in ("pld", "medusa", "eagle", "pspec"):
@@ -612,6 +651,12 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)
   config = _CONFIG.value
+  if _DRY_RUN.value:
+    try:
+      print(dry_run(config))
+    except ValueError as e:
+      raise SystemExit(f"error: {e}") from None
+    return
   try:
     results = run(config)
   except ValueError as e:

@@ -392,18 +392,26 @@ def load_target(
     cfg = _gguf_config(reader, source.name, **overrides)
     params = params_from_hf(cfg, _gguf_tensors(reader, cfg), _placer(cfg, mesh))
   else:
-    config_path = os.path.join(source.path, "config.json")
-    try:
-      with open(config_path) as fh:
-        hf_config = json.load(fh)
-    except ValueError as e:
-      raise ValueError(f"corrupt config file {config_path}: {e}") from None
-    cfg = config_from_hf(hf_config, source.name, **overrides)
+    cfg = load_target_config(spec, **overrides)
     params = params_from_hf(cfg, _hf_tensors(source.path).__getitem__, _placer(cfg, mesh))
   if mesh is not None and scan_layers:
     # Stacked on device from the per-layer shards; now laid out as the scanned tree's rules say.
     params = jax.device_put(params, sharding.param_shardings(llama.init_boxed, cfg, mesh))
   return Target(cfg=cfg, params=params)
+
+
+def load_target_config(spec: str, **overrides) -> LlamaConfig:
+  """The target's architecture alone (`config.json` or the GGUF header; no weights read)."""
+  source = resolve_target(spec)
+  if source.kind == "gguf":
+    return _gguf_config(_gguf_reader(source.path), source.name, **overrides)
+  config_path = os.path.join(source.path, "config.json")
+  try:
+    with open(config_path) as fh:
+      hf_config = json.load(fh)
+  except ValueError as e:
+    raise ValueError(f"corrupt config file {config_path}: {e}") from None
+  return config_from_hf(hf_config, source.name, **overrides)
 
 
 def _placer(cfg: LlamaConfig, mesh: Mesh | None) -> Callable | None:

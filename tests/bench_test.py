@@ -195,3 +195,50 @@ def test_a_real_run_writes_results_report_and_plots(tmp_path):
   assert sum(shares) == pytest.approx(1.0) and min(shares) > 0
   assert (out / "report.md").read_text().startswith("# Decoding benchmark")
   assert (out / "speedup.png").exists() and (out / "tau.png").exists()
+
+
+LLAMA2_13B_CONFIG = dict(
+  architectures=["LlamaForCausalLM"],
+  model_type="llama",
+  vocab_size=32000,
+  hidden_size=5120,
+  intermediate_size=13824,
+  num_hidden_layers=40,
+  num_attention_heads=40,
+  num_key_value_heads=40,
+  max_position_embeddings=4096,
+  rms_norm_eps=1e-5,
+  rope_theta=10000.0,
+  tie_word_embeddings=False,
+)
+
+
+@pytest.mark.parametrize(
+  "hardware,mesh,verdict,params_gib",
+  [
+    ("v4-32", "data=4,tensor=4", "fits in 32 GiB", 24.2 / 4),
+    ("gpu-80gb", "", "fits in 80 GiB", 24.2),
+    ("v5e-16", "data=16", "does NOT fit in 16 GiB", 24.2),
+  ],
+)
+def test_dry_run_plans_a_13b_target_without_its_weights(
+  tmp_path, hardware, mesh, verdict, params_gib
+):
+  """Only config.json is there: the plan needs shapes, never weights."""
+  (tmp_path / "config.json").write_text(json.dumps(LLAMA2_13B_CONFIG))
+  c = config(
+    target=str(tmp_path),
+    dtype="bfloat16",
+    hardware=hardware,
+    mesh=mesh,
+    methods="none,pspec",
+    batch_size="1,8",
+    tree="chain,sparse16",
+  )
+  text = bench.dry_run(c)
+  assert "13.016B parameters in bfloat16" in text
+  assert "batch 8" in text and "trees of 16 nodes" in text
+  rows = dict(line.rsplit(None, 1) for line in text.splitlines()[3:-1])
+  assert float(rows["target params"]) == pytest.approx(params_gib, rel=0.01)
+  assert {"drafter params (pspec)", "target KV cache", "drafter KV cache (pspec)"} <= set(rows)
+  assert text.splitlines()[-1].endswith(verdict)

@@ -1,0 +1,88 @@
+"""Memory planning for decoding: per-device bytes on a mesh, from shapes alone.
+
+Parameters and caches are sized exactly from `jax.eval_shape` and the shardings the rules give
+on the mesh (an `AbstractMesh`: no device is needed, nothing is allocated); activations are an
+estimate (the largest of the prefill's one-layer working set and the verification logits).
+"""
+
+import jax
+import numpy as np
+from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
+
+from configs.common import HARDWARE
+from pspec_jax import decode, llama, sharding
+from pspec_jax import drafter as drafter_lib
+
+GIB = 1024**3
+
+
+def decode_memory_table(
+  target: llama.LlamaConfig,
+  drafters: list[drafter_lib.DrafterConfig],
+  *,
+  batch: int,
+  prompt_width: int,
+  max_new_tokens: int,
+  tree_nodes: int,
+  tree_depth: int,
+  hardware: str,
+  mesh: dict[str, int],
+) -> str:
+  """A text table of per-device bytes for decoding, and whether it fits `hardware`."""
+  if hardware not in HARDWARE:
+    raise ValueError(f"unknown hardware {hardware!r}: use one of {', '.join(HARDWARE)}")
+  devices, memory_gib = HARDWARE[hardware]
+  shape = sharding.mesh_shape(devices, **mesh)
+  abstract = AbstractMesh(shape, sharding.AXES, axis_types=(AxisType.Auto,) * 3)
+  key = jax.random.key(0)
+  width = np.dtype(target.dtype).itemsize
+
+  def params_bytes(init_params, init_boxed, cfg):
+    shapes = jax.eval_shape(lambda: init_params(cfg, key))
+    placed = sharding.param_shardings(init_boxed, cfg, abstract)
+    return sharding.bytes_per_device(shapes, placed), sum(
+      int(np.prod(x.shape)) for x in jax.tree.leaves(shapes)
+    )
+
+  def cache_bytes(layers, kv_heads, head_dim, max_len):
+    x = jax.ShapeDtypeStruct((layers, batch, max_len, kv_heads, head_dim), target.dtype)
+    spec = sharding.spec_for(PartitionSpec(*decode.CACHE_AXES), x.shape, abstract)
+    return 2 * sharding.bytes_per_device([x], [NamedSharding(abstract, spec)])
+
+  max_len = prompt_width + max_new_tokens + tree_depth
+  target_bytes, target_count = params_bytes(llama.init_params, llama.init_boxed, target)
+  rows = {"target params": target_bytes}
+  for d in drafters:
+    rows[f"drafter params ({d.kind})"] = params_bytes(
+      drafter_lib.init_params, drafter_lib.init_boxed, d
+    )[0]
+  rows["target KV cache"] = cache_bytes(
+    target.num_layers, target.num_kv_heads, target.head_dim, max_len
+  )
+  for d in drafters:
+    if d.kind in ("pspec", "eagle"):
+      layer = d.layer
+      rows[f"drafter KV cache ({d.kind})"] = cache_bytes(
+        1, layer.num_kv_heads, layer.head_dim, max_len
+      )
+  seqs = max(batch // (shape[0] * shape[1]), 1)
+  tensor = shape[2]
+  tokens = seqs * prompt_width
+  heads = max(target.num_heads // tensor, 1)
+  prefill = tokens * (6 * target.hidden_size + 3 * target.intermediate_size // tensor) * width
+  prefill += seqs * heads * prompt_width * (prompt_width + max_len) * 4
+  verify = 3 * seqs * tree_nodes * target.vocab_size // tensor * 4
+  rows["activations (est.)"] = max(prefill, verify)
+  total = sum(rows.values())
+  lines = [
+    f"target {target.name}: {target_count / 1e9:.3f}B parameters in {np.dtype(target.dtype)}",
+    f"hardware {hardware}: {devices} devices, {memory_gib:g} GiB each; mesh "
+    + ", ".join(f"{a}={n}" for a, n in zip(sharding.AXES, shape, strict=True))
+    + f"; batch {batch}, prompt width {prompt_width}, {max_new_tokens} new tokens, "
+    + f"trees of {tree_nodes} nodes (depth {tree_depth})",
+    f"{'per device':34s} {'GiB':>9s}",
+  ]
+  lines += [f"{name:34s} {b / GIB:9.3f}" for name, b in rows.items()]
+  verdict = "fits" if total <= memory_gib * GIB else "does NOT fit"
+  lines.append(f"{'total':34s} {total / GIB:9.3f}  {verdict} in {memory_gib:g} GiB")
+  return "\n".join(lines)
