@@ -30,14 +30,6 @@ import time
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file(
-  "config", os.path.join(os.path.dirname(__file__), "..", "configs", "bench_default.py")
-)
-_DRY_RUN = flags.DEFINE_bool(
-  "dry_run",
-  False,
-  "Print per-device memory of decoding on config.mesh and config.hardware; allocates nothing.",
-)
 OUR_METHODS = ("none", "pld", "medusa", "eagle", "pspec")
 HF_METHODS = ("hf", "hf_pld")
 HF_PROMPT_LOOKUP_TOKENS = 10  # HF's suggested `prompt_lookup_num_tokens`
@@ -300,6 +292,7 @@ def run(config, progress=True) -> dict:
   from pspec_jax.sampling import SamplingConfig
 
   transformers.logging.set_verbosity_error()
+  transformers.logging.disable_progress_bar()
   if config.num_prompts < 1 or config.max_new_tokens < 1:
     raise ValueError("num_prompts and max_new_tokens must be >= 1")
   methods = _values(config.methods, str)
@@ -650,8 +643,8 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)
-  config = _CONFIG.value
-  if _DRY_RUN.value:
+  config = flags.FLAGS.config
+  if flags.FLAGS.dry_run:
     try:
       print(dry_run(config))
     except ValueError as e:
@@ -675,5 +668,18 @@ def main(argv):
   print(f"results in {out}/")
 
 
+def define_flags():
+  """Defines the command line; only when run as a program, so the CLI modules import together."""
+  config_flags.DEFINE_config_file(
+    "config", os.path.join(os.path.dirname(__file__), "..", "configs", "bench_default.py")
+  )
+  flags.DEFINE_bool(
+    "dry_run",
+    False,
+    "Print per-device memory of decoding on config.mesh and config.hardware; allocates nothing.",
+  )
+
+
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -21,32 +21,6 @@ import time
 from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("target", "smollm2-135m-instruct", "Target name, HF directory or .gguf file.")
-flags.DEFINE_string("prompt", None, "One prompt.")
-flags.DEFINE_string(
-  "prompts",
-  None,
-  'JSONL file of {"prompt": ...} lines or MT-Bench questions, or a packaged set: '
-  "mt_bench, humaneval, sharegpt (its held-out split).",
-)
-flags.DEFINE_integer("num_prompts", 0, "Only the first N prompts of --prompts (0: all).")
-flags.DEFINE_integer("max_new_tokens", 128, "Generation budget per prompt.")
-flags.DEFINE_float("temperature", 0.0, "0 is greedy.")
-flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1 disables).")
-flags.DEFINE_integer("top_k", 0, "Top-k sampling (0 disables).")
-flags.DEFINE_integer("seed", 0, "PRNG seed for sampling.")
-flags.DEFINE_integer("batch_size", 1, "Prompts decoded together.")
-flags.DEFINE_bool("chat", None, "Apply the chat template (default: when the tokenizer has one).")
-flags.DEFINE_bool("json", False, "Print one JSON object per prompt.")
-flags.DEFINE_enum("method", "none", ["none", "pspec", "eagle", "medusa", "pld"], "Drafting method.")
-flags.DEFINE_string(
-  "drafter", None, "Drafter directory, or `random` (untrained, seeded); default: the shipped one."
-)
-flags.DEFINE_integer("num_draft", None, "K, draft tokens per round (default: the drafter's).")
-flags.DEFINE_string("tree", None, "Tree: chain, sparseN or dynamic:N (default: the drafter's).")
-flags.DEFINE_string(
-  "mesh", "", "Shard over a device mesh, e.g. data=2,tensor=4 (default: one device)."
-)
 
 
 def _prompts() -> list[str]:
@@ -153,5 +127,38 @@ def main(argv):
     raise SystemExit(f"error: {e}") from None
 
 
+def define_flags():
+  """Defines the command line; only when run as a program, so the CLI modules import together."""
+  flags.DEFINE_string("target", "smollm2-135m-instruct", "Target name, HF directory or .gguf file.")
+  flags.DEFINE_string("prompt", None, "One prompt.")
+  flags.DEFINE_string(
+    "prompts",
+    None,
+    'JSONL file of {"prompt": ...} lines or MT-Bench questions, or a packaged set: '
+    "mt_bench, humaneval, sharegpt (its held-out split).",
+  )
+  flags.DEFINE_integer("num_prompts", 0, "Only the first N prompts of --prompts (0: all).")
+  flags.DEFINE_integer("max_new_tokens", 128, "Generation budget per prompt.")
+  flags.DEFINE_float("temperature", 0.0, "0 is greedy.")
+  flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass (1 disables).")
+  flags.DEFINE_integer("top_k", 0, "Top-k sampling (0 disables).")
+  flags.DEFINE_integer("seed", 0, "PRNG seed for sampling.")
+  flags.DEFINE_integer("batch_size", 1, "Prompts decoded together.")
+  flags.DEFINE_bool("chat", None, "Apply the chat template (default: when the tokenizer has one).")
+  flags.DEFINE_bool("json", False, "Print one JSON object per prompt.")
+  flags.DEFINE_enum(
+    "method", "none", ["none", "pspec", "eagle", "medusa", "pld"], "Drafting method."
+  )
+  flags.DEFINE_string(
+    "drafter", None, "Drafter directory, or `random` (untrained, seeded); default: the shipped one."
+  )
+  flags.DEFINE_integer("num_draft", None, "K, draft tokens per round (default: the drafter's).")
+  flags.DEFINE_string("tree", None, "Tree: chain, sparseN or dynamic:N (default: the drafter's).")
+  flags.DEFINE_string(
+    "mesh", "", "Shard over a device mesh, e.g. data=2,tensor=4 (default: one device)."
+  )
+
+
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

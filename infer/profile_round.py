@@ -18,15 +18,6 @@ import time
 from absl import app, flags, logging
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("target", "smollm2-135m-instruct", "Target name, HF directory or .gguf file.")
-flags.DEFINE_list("methods", ["pspec", "pld"], "Drafting methods to split into phases.")
-flags.DEFINE_string("drafter", "random", "Drafter directory, or `random` (untrained, seeded).")
-flags.DEFINE_integer("num_draft", 4, "K, draft tokens per round.")
-flags.DEFINE_string("tree", "chain", "Tree for part 1: chain, sparseN or dynamic:N.")
-flags.DEFINE_list("nodes", ["1", "4", "8", "16", "32", "64"], "Tree sizes N for part 2.")
-flags.DEFINE_integer("num_prompts", 4, "MT-Bench prompts (first turns).")
-flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated per prompt in part 1.")
-flags.DEFINE_integer("repeats", 20, "Timed verification passes per tree size in part 2.")
 
 
 def _timed(fn, *args):
@@ -147,5 +138,19 @@ def main(argv):
     sys.exit(f"error: {e}")
 
 
+def define_flags():
+  """Defines the command line; only when run as a program, so the CLI modules import together."""
+  flags.DEFINE_string("target", "smollm2-135m-instruct", "Target name, HF directory or .gguf file.")
+  flags.DEFINE_list("methods", ["pspec", "pld"], "Drafting methods to split into phases.")
+  flags.DEFINE_string("drafter", "random", "Drafter directory, or `random` (untrained, seeded).")
+  flags.DEFINE_integer("num_draft", 4, "K, draft tokens per round.")
+  flags.DEFINE_string("tree", "chain", "Tree for part 1: chain, sparseN or dynamic:N.")
+  flags.DEFINE_list("nodes", ["1", "4", "8", "16", "32", "64"], "Tree sizes N for part 2.")
+  flags.DEFINE_integer("num_prompts", 4, "MT-Bench prompts (first turns).")
+  flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated per prompt in part 1.")
+  flags.DEFINE_integer("repeats", 20, "Timed verification passes per tree size in part 2.")
+
+
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

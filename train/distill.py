@@ -20,12 +20,6 @@ from ml_collections import config_flags
 from train import cli
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", None, "Training config file.", lock_config=True)
-flags.DEFINE_string("workdir", None, "Checkpoints, metrics and the export (default: config).")
-flags.DEFINE_bool("dry_run", False, "Print the per-device memory plan and exit; allocates nothing.")
-flags.DEFINE_bool(
-  "eval_only", False, "Evaluate the workdir's last checkpoint on the held-out split and exit."
-)
 
 
 def step_config(config, scan_layers: bool = True):
@@ -276,5 +270,18 @@ def main(argv):
   train(config, workdir, eval_only=FLAGS.eval_only)
 
 
+def define_flags():
+  """Defines the command line; only when run as a program, so the CLI modules import together."""
+  config_flags.DEFINE_config_file("config", None, "Training config file.", lock_config=True)
+  flags.DEFINE_string("workdir", None, "Checkpoints, metrics and the export (default: config).")
+  flags.DEFINE_bool(
+    "dry_run", False, "Print the per-device memory plan and exit; allocates nothing."
+  )
+  flags.DEFINE_bool(
+    "eval_only", False, "Evaluate the workdir's last checkpoint on the held-out split and exit."
+  )
+
+
 if __name__ == "__main__":
+  define_flags()
   cli.run(main)

@@ -20,7 +20,6 @@ from ml_collections import config_flags
 from train import cli
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file("config", None, "Training config file.", lock_config=True)
 
 
 def _prompts(config, tokenizer):
@@ -119,5 +118,11 @@ def main(argv):
   run(FLAGS.config)
 
 
+def define_flags():
+  """Defines the command line; only when run as a program, so the CLI modules import together."""
+  config_flags.DEFINE_config_file("config", None, "Training config file.", lock_config=True)
+
+
 if __name__ == "__main__":
+  define_flags()
   cli.run(main)
