@@ -101,6 +101,11 @@ def training_config(
   c.seed = 0
   c.workdir = ""  # --workdir overrides; one of them is required
   c.distributed = False  # True: jax.distributed.initialize() (multi-host pods)
+  # Where jax.distributed cannot find the cluster itself (TPU slices, SLURM and Open MPI it
+  # finds): process 0's host:port, the number of processes and this one's index.
+  c.cluster = ml_collections.ConfigDict(
+    dict(coordinator_address="", num_processes=0, process_id=-1)
+  )
   c.target = ml_collections.ConfigDict(
     dict(
       checkpoint=checkpoint,  # name, HF directory or .gguf file

@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -168,3 +169,50 @@ def test_workdir_urls_are_kept_and_local_paths_made_absolute(tmp_path, monkeypat
     str(distill.workdir_path("gs://bucket/run") / "checkpoints") == "gs://bucket/run/checkpoints"
   )
   assert str(distill.workdir_path("runs/a")) == str(tmp_path / "runs" / "a")
+
+
+def test_two_processes_train_as_one(uninterrupted, smollm2, tmp_path):
+  """Two CPU processes (one device each) under jax.distributed: each feeds its half of the
+  global batch; the losses are the single-process run's, and process 0 alone logs and exports
+  while both write the checkpoints."""
+  reference, cache = uninterrupted
+  workdir = tmp_path / "run"
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  procs = [
+    subprocess.Popen(
+      _command(
+        "train.distill",
+        workdir,
+        cache,
+        "--config.distributed=True",
+        f"--config.cluster.coordinator_address=127.0.0.1:{port}",
+        "--config.cluster.num_processes=2",
+        f"--config.cluster.process_id={i}",
+        "--config.data.cache_features=False",
+        "--config.train.steps=4",
+      ),
+      cwd=ROOT,
+      env=_env(),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(2)
+  ]
+  outputs = [p.communicate(timeout=900) for p in procs]
+  for p, (_, err) in zip(procs, outputs, strict=True):
+    assert p.returncode == 0, err[-3000:]
+  lines = _train_lines(workdir)
+  assert [r["step"] for r in lines] == [1, 2, 3, 4]  # one writer: no step twice
+  # The same data and, through the warmup (2 steps), the same learning rates as that run.
+  single = {r["step"]: r for r in _train_lines(reference)}
+  for step in (1, 2):
+    assert lines[step - 1]["loss"] == pytest.approx(single[step]["loss"], rel=1e-4)
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4"]
+  drafter = drafter_files.load_drafter(str(workdir / "export"), smollm2[0])
+  assert drafter.cfg.kind == "pspec"
+  assert (
+    "resumed" not in outputs[1][0] and "distill pspec" not in outputs[1][1]
+  )  # process 1: no bar

@@ -74,6 +74,7 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
   import numpy as np
   import orbax.checkpoint as ocp
   import transformers
+  from jax.experimental import multihost_utils
   from tqdm import tqdm
 
   from pspec_jax import checkpoints, data, sharding
@@ -86,7 +87,7 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
   cfg = step_config(config)
   build.check_target_exists(config)
   if config.distributed:
-    jax.distributed.initialize()
+    initialize_cluster(config.cluster)
     if config.data.cache_features:
       raise ValueError("data.cache_features is for one host: set it False on a multi-host run")
   main = jax.process_index() == 0
@@ -241,15 +242,37 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
   bar.close()
   manager.wait_until_finished()
   manager.close()
+  # Every process joins the gather (a drafter sharded over hosts); process 0 writes it.
+  params, vocab = multihost_utils.process_allgather((state.params, state.draft_vocab), tiled=True)
   if main:
-    params = jax.device_get(state.params)
     save_drafter(
       workdir_path(workdir) / "export",
-      Drafter(cfg=cfg.drafter, params=params, vocab=jax.device_get(state.draft_vocab)),
+      Drafter(cfg=cfg.drafter, params=params, vocab=vocab),
       extra={"trained_steps": int(state.step), "config": config.to_dict()},
       dtype=build.storage_dtype(config.drafter.export_dtype),
     )
   log.close()
+
+
+def initialize_cluster(cluster) -> None:
+  """`jax.distributed.initialize`, with the cluster config's settings where they are given."""
+  import jax
+
+  given = dict(
+    coordinator_address=cluster.coordinator_address or None,
+    num_processes=cluster.num_processes or None,
+    process_id=cluster.process_id if cluster.process_id >= 0 else None,
+  )
+  if cluster.coordinator_address and None in given.values():
+    raise ValueError(
+      "cluster.coordinator_address needs cluster.num_processes and cluster.process_id"
+    )
+  if given["process_id"] is not None and given["process_id"] >= (cluster.num_processes or 1):
+    raise ValueError(
+      f"cluster.process_id={cluster.process_id} must be below "
+      f"cluster.num_processes={cluster.num_processes}"
+    )
+  jax.distributed.initialize(**{k: v for k, v in given.items() if v is not None})
 
 
 def dry_run(config) -> None:
