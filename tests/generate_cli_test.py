@@ -88,21 +88,30 @@ def test_a_target_without_a_shipped_drafter_needs_one():
   assert result.stderr.strip().startswith("error: --method=pspec needs --drafter"), result.stderr
 
 
-@pytest.mark.parametrize("method", ["pld", "pspec", "eagle", "medusa"])
-def test_drafting_through_the_cli_is_lossless(tmp_path, method):
-  """Drafts accepted (tau > 1) and the tokens of plain greedy decoding, prompt for prompt;
-  pspec, eagle and medusa use the drafters shipped for the embedded target."""
-  prompts = tmp_path / "prompts.jsonl"
+DRAFT_FLAGS = ["--batch_size=2", "--max_new_tokens=24", "--json"]
+
+
+def _json_lines(result):
+  assert result.returncode == 0, result.stderr
+  return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+  """Two prompts and their plain greedy decoding, shared by every drafting method."""
+  prompts = tmp_path_factory.mktemp("drafting") / "prompts.jsonl"
   lines = ["Repeat the word apple ten times.", "Count from 1 to 20."]
   prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in lines))
-  runs = {}
-  for name in (method, "none"):
-    flags = [f"--prompts={prompts}", "--batch_size=2", "--max_new_tokens=24", "--json"]
-    result = run_cli(*flags, f"--method={name}")
-    assert result.returncode == 0, result.stderr
-    runs[name] = [json.loads(line) for line in result.stdout.splitlines()]
-  drafted = runs[method]
-  for spec, plain in zip(drafted, runs["none"], strict=True):
+  return prompts, _json_lines(run_cli(f"--prompts={prompts}", *DRAFT_FLAGS, "--method=none"))
+
+
+@pytest.mark.parametrize("method", ["pld", "pspec", "eagle", "medusa"])
+def test_drafting_through_the_cli_is_lossless(plain_run, method):
+  """Drafts accepted (tau > 1) and the tokens of plain greedy decoding, prompt for prompt;
+  pspec, eagle and medusa use the drafters shipped for the embedded target."""
+  prompts, plain_lines = plain_run
+  drafted = _json_lines(run_cli(f"--prompts={prompts}", *DRAFT_FLAGS, f"--method={method}"))
+  for spec, plain in zip(drafted, plain_lines, strict=True):
     assert spec["prompt"] == plain["prompt"]
     assert spec["tokens"] == plain["tokens"] and spec["num_tokens"] <= 24
     assert plain["tau"] == 1 and plain["rounds"] == plain["num_tokens"] - 1
