@@ -60,6 +60,11 @@ parse_args() {
   ARGS=("$@")
 }
 
+# After parse_args, for scripts that take no arguments: stops on the first one given.
+no_args() {
+  ((${#ARGS[@]} == 0)) || die "unexpected argument '${ARGS[0]}' (see ${0##*/} --help)"
+}
+
 # Stops with one clear line when a setting is missing or malformed, or gcloud is needed but absent.
 check_settings() {
   local name

@@ -21,7 +21,7 @@ option() {
   esac
 }
 parse_args "$@"
-((${#ARGS[@]} == 0)) || die "unexpected argument '${ARGS[0]}' (see ${0##*/} --help)"
+no_args
 check_settings
 tpu_flags
 

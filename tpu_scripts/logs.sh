@@ -24,7 +24,7 @@ option() {
   esac
 }
 parse_args "$@"
-((${#ARGS[@]} == 0)) || die "unexpected argument '${ARGS[0]}' (see ${0##*/} --help)"
+no_args
 [[ $worker =~ ^([0-9]+|all)$ ]] || die "--worker must be a number or all, got '$worker'"
 [[ $lines =~ ^[0-9]+$ ]] || die "--lines must be a number, got '$lines'"
 check_settings

@@ -13,7 +13,7 @@ here=${BASH_SOURCE[0]%/*}
 source "$here/common.sh"
 
 parse_args "$@"
-((${#ARGS[@]} == 0)) || die "unexpected argument '${ARGS[0]}' (see ${0##*/} --help)"
+no_args
 check_settings
 
 on_workers all "tmux kill-session -t $PSPEC_TPU_SESSION || true"

@@ -14,6 +14,6 @@ here=${BASH_SOURCE[0]%/*}
 source "$here/common.sh"
 
 parse_args "$@"
-((${#ARGS[@]} == 0)) || die "unexpected argument '${ARGS[0]}' (see ${0##*/} --help)"
+no_args
 check_settings
 sync_tree
