@@ -153,7 +153,9 @@ def define_flags():
     "drafter", None, "Drafter directory, or `random` (untrained, seeded); default: the shipped one."
   )
   flags.DEFINE_integer("num_draft", None, "K, draft tokens per round (default: the drafter's).")
-  flags.DEFINE_string("tree", None, "Tree: chain, sparseN or dynamic:N (default: the drafter's).")
+  flags.DEFINE_string(
+    "tree", None, "Tree: chain, sparseN, dynamic:N or paths:0/0.0/1 (default: the drafter's)."
+  )
   flags.DEFINE_string(
     "mesh", "", "Shard over a device mesh, e.g. data=2,tensor=4 (default: one device)."
   )

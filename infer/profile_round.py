@@ -20,7 +20,7 @@ from absl import app, flags, logging
 FLAGS = flags.FLAGS
 
 
-def _timed(fn, *args):
+def timed(fn, *args):
   import jax
 
   began = time.perf_counter()
@@ -46,9 +46,9 @@ def phase_split(target, drafter, prompts, cfg):
       tokens, lengths = data.pad_batch([ids])
       state = init(target, tokens, lengths, jax.random.key(0), cfg, drafter)
       while not bool(state.done.all()):
-        verified, t_verify = _timed(verify, target, state, cfg, drafter)
-        (state, pairs), t_commit = _timed(commit, state, verified, cfg, drafter)
-        state, t_draft = _timed(draft, target, drafter, state, pairs, cfg)
+        verified, t_verify = timed(verify, target, state, cfg, drafter)
+        (state, pairs), t_commit = timed(commit, state, verified, cfg, drafter)
+        state, t_draft = timed(draft, target, drafter, state, pairs, cfg)
         if not warm_up:
           times["verify"].append(t_verify)
           times["accept+commit"].append(t_commit)
@@ -69,7 +69,7 @@ def verify_cost(target, drafter, ids, cfg, nodes, repeats):
 
   def median_ms(fn, *args):
     jax.block_until_ready(fn(*args))  # compile
-    return 1e3 * statistics.median(_timed(fn, *args)[1] for _ in range(repeats))
+    return 1e3 * statistics.median(timed(fn, *args)[1] for _ in range(repeats))
 
   plain = jax.jit(decode.round_step, static_argnames="cfg")
   state = jax.jit(decode.init, static_argnames="cfg")(target, tokens, lengths, key, cfg)
@@ -144,7 +144,7 @@ def define_flags():
   flags.DEFINE_list("methods", ["pspec", "pld"], "Drafting methods to split into phases.")
   flags.DEFINE_string("drafter", "random", "Drafter directory, or `random` (untrained, seeded).")
   flags.DEFINE_integer("num_draft", 4, "K, draft tokens per round.")
-  flags.DEFINE_string("tree", "chain", "Tree for part 1: chain, sparseN or dynamic:N.")
+  flags.DEFINE_string("tree", "chain", "Tree for part 1: chain, sparseN, dynamic:N or paths:...")
   flags.DEFINE_list("nodes", ["1", "4", "8", "16", "32", "64"], "Tree sizes N for part 2.")
   flags.DEFINE_integer("num_prompts", 4, "MT-Bench prompts (first turns).")
   flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated per prompt in part 1.")

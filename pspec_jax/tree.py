@@ -14,7 +14,9 @@ kept set is a tree.
 Presets (`parse`): `chain` (K nodes in a line), `sparseN` (an N-node sparse tree) and
 `dynamic:N` (N nodes chosen per round from a 4N-node pool). Sparse trees and pools are grown
 best-first under a fixed prior on how often the rank-r candidate is right, the same idea as
-Medusa's calibrated trees: `RANK_PRIOR[r]`, one factor per step of the path.
+Medusa's calibrated trees: `RANK_PRIOR[r]`, one factor per step of the path. A tree can also be
+spelled out, `paths:0/0.0/1` (rank paths joined by `/`, ranks by `.`): `best` builds one from
+measured acceptance rates (`infer.tune_tree`), and `Tree.spec` writes one.
 """
 
 import dataclasses
@@ -22,6 +24,7 @@ import functools
 import heapq
 import math
 import re
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +81,13 @@ class Tree:
   def num_candidates(self) -> int:
     """Candidates per depth the drafter must rank (1 + the largest rank used)."""
     return 1 + max((r for p in self.paths for r in p), default=0)
+
+  @property
+  def spec(self) -> str:
+    """The explicit spelling `parse` reads back: `paths:0/0.0/1`."""
+    if self.budget:
+      raise ValueError("a dynamic tree has no explicit spelling; use its preset name")
+    return "paths:" + "/".join(".".join(map(str, p)) for p in self.paths)
 
   @functools.cached_property
   def arrays(self) -> "TreeArrays":
@@ -171,6 +181,41 @@ def grow(num_nodes: int, max_depth: int, max_rank: int = len(RANK_PRIOR)) -> tup
   return tuple(paths)
 
 
+def best(rates: Mapping[Path, float], num_nodes: int) -> Tree:
+  """The tree of at most `num_nodes` nodes (root included) that accepts the most tokens.
+
+  Args:
+    rates: how often each rank path's node is accepted per round, for the paths measured (a
+      child is never accepted more often than its parent).
+    num_nodes: the node budget, root included.
+
+  Returns:
+    The prefix-closed subset of `rates` with the largest sum of rates, i.e. the largest expected
+    tokens per round (1 + the sum). Grown greedily from the root: with rates that never grow
+    along a path, the best frontier node is always part of an optimal tree. Ties go to the
+    shallower node, then the lower ranks.
+  """
+  if num_nodes < 1:
+    raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
+  children: dict[Path, list[Path]] = {}
+  for p in rates:
+    children.setdefault(p[:-1], []).append(p)
+  frontier = [(-rates[p], len(p), p) for p in children.get((), [])]
+  heapq.heapify(frontier)
+  paths: list[Path] = []
+  while frontier and len(paths) < num_nodes - 1:
+    _, _, path = heapq.heappop(frontier)
+    paths.append(path)
+    for q in children.get(path, []):
+      heapq.heappush(frontier, (-rates[q], len(q), q))
+  return Tree(paths=tuple(paths))
+
+
+def expected_tokens(tree: Tree, rates: Mapping[Path, float]) -> float:
+  """Expected tokens per round of a static tree: the bonus plus each node's acceptance rate."""
+  return 1.0 + sum(rates.get(p, 0.0) for p in tree.paths)
+
+
 def chain(num_draft: int) -> Tree:
   return Tree(paths=tuple((0,) * d for d in range(1, num_draft + 1)))
 
@@ -178,9 +223,24 @@ def chain(num_draft: int) -> Tree:
 ROOT_ONLY = Tree(paths=())
 
 
+def _explicit(spec: str, num_draft: int) -> Tree:
+  try:
+    body = spec.removeprefix("paths:")
+    paths = tuple(tuple(int(r) for r in node.split(".")) for node in body.split("/"))
+    tree = Tree(paths=paths)
+  except ValueError as e:
+    raise ValueError(
+      f"bad tree {spec!r}: write rank paths joined by '/', ranks by '.', e.g. paths:0/0.0/1 ({e})"
+    ) from None
+  if tree.depth > num_draft:
+    raise ValueError(f"tree {spec!r} is {tree.depth} deep, deeper than K={num_draft}: raise K")
+  return tree
+
+
 @functools.cache
 def parse(spec: str, num_draft: int) -> Tree:
-  """A tree from its preset name: `chain`, `sparseN` or `dynamic:N` (N nodes, root included).
+  """A tree from its name: `chain`, `sparseN`, `dynamic:N` (N nodes, root included) or
+  `paths:0/0.0/1` (the explicit rank paths).
 
   Trees never go deeper than `num_draft` (K), the draft tokens proposed per round.
   """
@@ -188,10 +248,13 @@ def parse(spec: str, num_draft: int) -> Tree:
     raise ValueError(f"num_draft (K) must be >= 1, got {num_draft}")
   if spec == "chain":
     return chain(num_draft)
+  if spec.startswith("paths:"):
+    return _explicit(spec, num_draft)
   match = re.fullmatch(r"(sparse|dynamic:)(\d+)", spec)
   if not match or int(match[2]) < 2:
     raise ValueError(
-      f"unknown tree {spec!r}: use 'chain', 'sparseN' or 'dynamic:N' with N >= 2 nodes"
+      f"unknown tree {spec!r}: use 'chain', 'sparseN', 'dynamic:N' with N >= 2 nodes, or "
+      "'paths:0/0.0/1'"
     )
   n = int(match[2])
   paths = grow(n if match[1] == "sparse" else 4 * n, num_draft)

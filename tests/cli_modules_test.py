@@ -11,6 +11,7 @@ CLI_MODULES = {  # module: one flag only it defines
   "infer.generate": "--[no]json",
   "infer.bench": "--[no]dry_run",
   "infer.profile_round": "--repeats",
+  "infer.tune_tree": "--pool",
   "train.distill": "--[no]eval_only",
   "train.selfdistill": "--config",
 }

@@ -274,6 +274,50 @@ def test_pspec_proposals_in_chunks_equal_one_pass_with_the_reference_mask(target
   np.testing.assert_allclose(logp[0, 1:], expected_logp[np.arange(7), expected_tokens], atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["pspec", "eagle"])
+def test_decoding_drafts_what_training_predicts(target, kind):
+  """Each round's chain equals the teacher-forced training layout's top-1 at that anchor.
+
+  The drafter at decode time (cached, chunked pairs, mask slots after the last one) and in
+  training (`losses.distill_rows`' layout over the whole sequence) must be one function, or
+  training would optimise something decoding never runs. eagle trains depth 1 only.
+  """
+  from pspec_jax import losses
+
+  drafter = drafter_for(kind, target, num_draft=4)
+  # Large weights, so that positions and attention move the drafter's top-1.
+  drafter = drafter.replace(params=jax.tree.map(lambda x: 25 * x, drafter.params))
+  cfg = decode.DecodeConfig(max_new_tokens=24, tree="chain")
+  tokens, lengths = padded(PROMPTS[:1])
+  state = decode.init(target, tokens, lengths, jax.random.key(0), cfg, drafter)
+  rounds = []
+  while not bool(state.done.all()):
+    rounds.append((int(state.cache.lengths[0]), np.asarray(state.node_tokens[0, 1:])))
+    state = decode.round_step(target, state, cfg, drafter)
+  seq = state.tokens[:, : int(state.num_tokens[0])]
+  segments = jnp.ones_like(seq)
+  positions, mask = losses.segment_positions(segments), losses.segment_mask(segments)
+  features, _ = target(seq, positions, None, mask)
+  layout = None
+  if kind == "pspec":
+    layout = losses.slot_layout(segments > 0, segments, 3, 0, jax.random.key(0))
+  g_real, g_slots = drafter.apply(
+    target.embed(losses.shifted(seq, 1)),
+    features,
+    positions,
+    mask,
+    layout,
+    method=drafter_lib.FeatureDrafter.train_forward,
+  )
+  top = lambda g: np.asarray(jnp.argmax(drafter.logits(target, g[0]), -1))
+  predicted = top(g_real)[:, None]  # pair a = (f_a, x_{a+1}) predicts x_{a+2}
+  if layout is not None:
+    predicted = np.concatenate([predicted, top(g_slots)], axis=1)  # slot d: x_{a+d+2}
+  assert len(rounds) > 5
+  for n, drafted in rounds:  # the bonus is x_n: the last pair is a = n - 1
+    np.testing.assert_array_equal(drafted[: predicted.shape[1]], predicted[n - 1])
+
+
 def test_pld_proposes_the_continuation_of_the_longest_recent_match():
   tokens = jnp.asarray([[1, 2, 3, 9, 1, 2, 3, 4, 5, 7, 2, 3, 0, 0]])
   # Suffix (2, 3) -> the most recent earlier "2 3" is at 5..6, followed by 4 5 7 2.

@@ -184,6 +184,68 @@ def test_parse_rejects_unknown_presets(spec):
     tree_lib.parse(spec, 4)
 
 
+@pytest.mark.parametrize("paths", [IRREGULAR_PATHS, ((0,),), tree_lib.parse("sparse16", 4).paths])
+def test_explicit_spelling_reads_back(paths):
+  tree = Tree(paths=paths)
+  spec = tree.spec
+  assert spec.startswith("paths:") and "," not in spec  # fits a comma-separated list
+  assert tree_lib.parse(spec, 4) == tree
+  assert tree_lib.parse("paths:0/0.0/1", 2).paths == ((0,), (1,), (0, 0))
+
+
+@pytest.mark.parametrize(
+  "spec, message",
+  [
+    ("paths:", "bad tree"),
+    ("paths:0.0", "no parent"),
+    ("paths:0/a", "bad tree"),
+    ("paths:0//1", "bad tree"),
+    ("paths:0/0", "distinct"),
+    ("paths:0/0.0/0.0.0", "deeper than K=2"),
+  ],
+)
+def test_explicit_spelling_errors(spec, message):
+  with pytest.raises(ValueError, match=message):
+    tree_lib.parse(spec, 2)
+
+
+def test_a_dynamic_tree_has_no_explicit_spelling():
+  with pytest.raises(ValueError, match="dynamic tree"):
+    _ = tree_lib.parse("dynamic:4", 4).spec
+
+
+def reference_best(rates, num_nodes):
+  """The largest total rate over every prefix-closed subset of at most num_nodes - 1 paths."""
+  paths = sorted(rates, key=lambda p: (len(p), p))
+  best = 0.0
+  for size in range(num_nodes):
+    for subset in itertools.combinations(paths, size):
+      if all(p[:-1] in subset or len(p) == 1 for p in subset):
+        best = max(best, sum(rates[p] for p in subset))
+  return 1.0 + best
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_best_tree_has_the_most_expected_tokens(seed):
+  # Rates as a calibration counts them: the accepted path of each of 50 rounds, drawn at random.
+  rng = np.random.default_rng(seed)
+  pool = tree_lib.grow(9, 3)
+  hits = {p: 0 for p in pool}
+  for _ in range(50):
+    path = ()
+    while True:
+      children = [p for p in pool if p[:-1] == path]
+      if not children or rng.random() < 0.3:
+        break
+      path = children[rng.integers(len(children))]
+      hits[path] += 1
+  rates = {p: h / 50 for p, h in hits.items()}
+  for n in range(1, 10):
+    tree = tree_lib.best(rates, n)
+    assert tree.num_nodes == n and set(tree.paths) <= set(pool)
+    assert math.isclose(tree_lib.expected_tokens(tree, rates), reference_best(rates, n))
+
+
 def test_parse_rejects_bad_num_draft():
   with pytest.raises(ValueError, match="num_draft"):
     tree_lib.parse("chain", 0)

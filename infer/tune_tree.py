@@ -1,0 +1,228 @@
+r"""Tune the token tree to a drafter and a device: the static tree of most tokens per second.
+
+  python -m infer.tune_tree                       # the shipped pspec drafter, embedded target
+  python -m infer.tune_tree --method=eagle --max_nodes=16 --num_prompts=16 --out=eagle.json
+
+Two measurements, then a choice (the calibration of Medusa's and Sequoia's trees, measured):
+1. Acceptance. The calibration prompts are decoded greedily with a wide tree (`--pool` nodes,
+   grown under `tree.RANK_PRIOR`), counting for every rank path how often its node lies on the
+   accepted path. Under greedy acceptance a node is accepted exactly when its tokens and its
+   ancestors' match the target's, whatever else the tree holds, so these rates give the
+   expected tokens per round of every subtree: `tree.best` builds the best one of N nodes.
+2. Cost. One whole round (verify, accept+commit, draft) with each of those trees, and one
+   plain auto-regressive round, timed on this device after compilation (medians).
+Expected speedup = tokens per round x plain round time / round time. The tool prints the table,
+the fastest tree and the `--tree` flag that uses it (`infer.generate`, `infer.bench`, or the
+drafter's own `tree` in drafter.json). Calibration prompts default to ShareGPT's held-out
+split, so a benchmark on MT-Bench stays out of sample. Temperature 0 only: sampled acceptance
+depends on the siblings present.
+"""
+
+import json
+import statistics
+import sys
+
+from absl import app, flags, logging
+
+FLAGS = flags.FLAGS
+
+
+def acceptance_rates(target, drafter, prompts, cfg, batch_size):
+  """How often each rank path of the pool `cfg.tree` is accepted, per round; and the rounds."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from pspec_jax import data, decode
+  from pspec_jax.accept import accept
+
+  pool = decode.pool_tree(cfg, drafter)
+
+  @jax.jit
+  def calibration_round(state):
+    verified = decode.verify(target, state, cfg, drafter)
+    path_BP1, num_accepted_B, _ = accept(
+      verified.logits, verified.node_tokens, verified.tree, pool.depth, state.key, cfg.sampling
+    )
+    after = decode.round_step(target, state, cfg, drafter)
+    # Count what the round kept, as decoding's own statistics do: the accepted path, cut at an
+    # EOS or the token budget; nothing for finished sequences.
+    kept_B = after.num_tokens - state.num_tokens
+    on_path = jnp.arange(pool.depth + 1)[None, :] < jnp.minimum(kept_B, num_accepted_B + 1)[:, None]
+    hits_M = jnp.zeros(pool.num_nodes, jnp.int32).at[path_BP1].add(on_path.astype(jnp.int32))
+    return after, hits_M, (~state.done).sum()
+
+  init = jax.jit(decode.init, static_argnames="cfg")
+  hits, rounds = np.zeros(pool.num_nodes, np.int64), 0
+  for start in range(0, len(prompts), batch_size):
+    tokens, lengths = data.pad_batch(prompts[start : start + batch_size])
+    state = init(target, tokens, lengths, jax.random.key(0), cfg, drafter)
+    while not bool(state.done.all()):
+      state, hits_M, active = calibration_round(state)
+      hits += np.asarray(hits_M)
+      rounds += int(active)
+  rates = {p: hits[i + 1] / max(rounds, 1) for i, p in enumerate(pool.paths)}
+  return rates, rounds
+
+
+def round_ms(target, drafter, ids, cfg, repeats):
+  """Median ms of one whole decoding round with `cfg`'s tree, at the prompt's context."""
+  import jax
+
+  from infer.profile_round import timed
+  from pspec_jax import data, decode
+
+  tokens, lengths = data.pad_batch([ids])
+  state = jax.jit(decode.init, static_argnames="cfg")(
+    target, tokens, lengths, jax.random.key(0), cfg, drafter
+  )
+  step = jax.jit(decode.round_step, static_argnames="cfg")
+  times = []
+  for _ in range(repeats + 2):  # two warm-up rounds: compilation, then a first run
+    state, seconds = timed(step, target, state, cfg, drafter)
+    times.append(seconds)
+  return 1e3 * statistics.median(times[2:])
+
+
+def tune(
+  target, drafter, prompts, *, pool_nodes, sizes, max_new_tokens, eos_ids, repeats, batch_size
+):
+  """Measures acceptance and round costs; returns the table (one row per tree size) and rounds.
+
+  Rows: nodes (root included), tree spec, expected tokens per round, ms per round, expected
+  speedup over plain decoding (the row with 1 node is plain decoding itself).
+  """
+  import dataclasses
+
+  from pspec_jax import decode
+  from pspec_jax import tree as tree_lib
+
+  num_draft = drafter.cfg.num_draft
+  pool = tree_lib.Tree(paths=tree_lib.grow(pool_nodes, num_draft))
+  cfg = decode.DecodeConfig(
+    max_new_tokens=max_new_tokens, eos_ids=eos_ids, num_draft=num_draft, tree=pool.spec
+  )
+  decode.check_drafter(target, drafter, cfg)
+  rates, rounds = acceptance_rates(target, drafter, prompts, cfg, batch_size)
+  # Timed rounds never stop early: no EOS, and a budget past the last timed round.
+  timing = dataclasses.replace(cfg, eos_ids=(), max_new_tokens=(repeats + 3) * (num_draft + 1))
+  plain_ms = round_ms(target, None, prompts[0], dataclasses.replace(timing, tree=""), repeats)
+  rows = [dict(nodes=1, tree="", tokens_per_round=1.0, ms=plain_ms, speedup=1.0)]
+  for n in sorted(set(sizes)):
+    tree = tree_lib.best(rates, min(n, pool.num_nodes))
+    if tree.num_nodes < 2 or tree.num_nodes <= rows[-1]["nodes"]:
+      continue
+    ms = round_ms(target, drafter, prompts[0], dataclasses.replace(timing, tree=tree.spec), repeats)
+    tokens = tree_lib.expected_tokens(tree, rates)
+    rows.append(
+      dict(
+        nodes=tree.num_nodes,
+        tree=tree.spec,
+        tokens_per_round=tokens,
+        ms=ms,
+        speedup=tokens * plain_ms / ms,
+      )
+    )
+  return rows, rounds
+
+
+def run():
+  import transformers
+
+  from pspec_jax import checkpoints, data, drafter_files
+
+  transformers.logging.set_verbosity_error()
+  if FLAGS.method not in ("pspec", "eagle", "medusa", "pld"):
+    raise ValueError(f"--method must be one of pspec, eagle, medusa, pld, got {FLAGS.method!r}")
+  sizes = [int(n) for n in FLAGS.sizes]
+  if FLAGS.pool < 2 or min(sizes, default=0) < 2 or FLAGS.num_prompts < 1 or FLAGS.repeats < 1:
+    raise ValueError("--pool and every --sizes entry must be >= 2; --num_prompts, --repeats >= 1")
+  tokenizer = checkpoints.load_tokenizer(FLAGS.target)
+  texts = data.prompt_set(FLAGS.prompts) if FLAGS.prompts in data.PROMPT_SETS else None
+  if texts is None:
+    texts = data.read_prompts(FLAGS.prompts)
+  chat = tokenizer.chat_template is not None
+  encoded = [data.encode_prompt(tokenizer, p, chat) for p in texts]
+  prompts = [ids for ids in encoded if len(ids) <= FLAGS.max_prompt_tokens][: FLAGS.num_prompts]
+  if not prompts:
+    raise ValueError(f"no prompt of {FLAGS.prompts} fits --max_prompt_tokens")
+  target = checkpoints.load_target(FLAGS.target, scan_layers=False)
+  drafter = drafter_files.resolve_drafter(
+    FLAGS.method, FLAGS.drafter, target, num_draft=FLAGS.num_draft
+  )
+  rows, rounds = tune(
+    target,
+    drafter.with_head(target),
+    prompts,
+    pool_nodes=FLAGS.pool,
+    sizes=sizes,
+    max_new_tokens=FLAGS.max_new_tokens,
+    eos_ids=checkpoints.eos_token_ids(FLAGS.target, tokenizer),
+    repeats=FLAGS.repeats,
+    batch_size=FLAGS.batch_size,
+  )
+  chosen = max(rows, key=lambda r: r["speedup"])
+  print(
+    f"# Tree tuning: {FLAGS.method} (K={drafter.cfg.num_draft}) on {FLAGS.target}, "
+    f"{len(prompts)} {FLAGS.prompts} prompts, {rounds} calibration rounds, pool of {FLAGS.pool}\n"
+  )
+  print("| nodes | tokens/round | ms/round | expected speedup | tree |")
+  print("|---|---|---|---|---|")
+  for r in rows:
+    mark = " (best)" if r is chosen else ""
+    print(
+      f"| {r['nodes']} | {r['tokens_per_round']:.3f} | {r['ms']:.2f} | "
+      f"{r['speedup']:.3f}{mark} | {r['tree'] or 'none (plain decoding)'} |"
+    )
+  if chosen["tree"]:
+    print(f"\nUse: --tree={chosen['tree']}")
+  else:
+    print("\nNo tree beats plain decoding on this device with this drafter.")
+  if FLAGS.out:
+    meta = dict(
+      method=FLAGS.method,
+      target=FLAGS.target,
+      num_draft=drafter.cfg.num_draft,
+      prompts=FLAGS.prompts,
+      num_prompts=len(prompts),
+      calibration_rounds=rounds,
+      pool=FLAGS.pool,
+    )
+    with open(FLAGS.out, "w") as f:
+      json.dump(dict(meta=meta, rows=rows, best=chosen["tree"]), f, indent=1)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  logging.set_verbosity(logging.WARNING)
+  try:
+    run()
+  except ValueError as e:
+    sys.exit(f"error: {e}")
+
+
+def define_flags():
+  """Defines the command line; only when run as a program, so the CLI modules import together."""
+  flags.DEFINE_string("target", "smollm2-135m-instruct", "Target name, HF directory or .gguf file.")
+  flags.DEFINE_string("method", "pspec", "Drafter kind: pspec, eagle, medusa or pld.")
+  flags.DEFINE_string("drafter", None, "Drafter directory or `random`; default: the shipped one.")
+  flags.DEFINE_integer("num_draft", 4, "K of a random or pld drafter (a saved one keeps its own).")
+  flags.DEFINE_string(
+    "prompts", "sharegpt", "Calibration prompts: mt_bench, humaneval, sharegpt or a JSONL file."
+  )
+  flags.DEFINE_integer("num_prompts", 8, "Calibration prompts used.")
+  flags.DEFINE_integer("max_prompt_tokens", 512, "Longer prompts are passed over.")
+  flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per calibration prompt.")
+  flags.DEFINE_integer("batch_size", 4, "Calibration prompts decoded together.")
+  flags.DEFINE_integer("pool", 64, "Nodes of the calibration tree (root included).")
+  flags.DEFINE_list(
+    "sizes", ["2", "3", "4", "5", "6", "8", "10", "12", "16", "24", "32"], "Tree sizes N tried."
+  )
+  flags.DEFINE_integer("repeats", 20, "Timed rounds per tree size.")
+  flags.DEFINE_string("out", "", "Also write the table and the choice to this JSON file.")
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)

@@ -1,0 +1,83 @@
+"""infer.tune_tree: the acceptance it measures is decoding's own, and its table is consistent."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny_models import PROMPTS, drafter_for, make_target, padded
+
+from infer import tune_tree
+from pspec_jax import decode
+from pspec_jax import drafter as drafter_lib
+from pspec_jax import tree as tree_lib
+
+
+@pytest.fixture(scope="module")
+def target():
+  return make_target(5.0)
+
+
+def flawed_oracle(reference_BW):
+  """Proposes the target's greedy continuation at rank 0, except at a fifth of the (position,
+  depth) pairs, where the right token is rank 1: accepted paths of every depth and rank."""
+
+  def propose(drafter, target, cache, pairs, context, pool):
+    _, num_tokens = context
+    index = num_tokens[:, None] + jnp.arange(pool.depth)
+    right = jnp.take_along_axis(reference_BW, index, axis=1)
+    wrong = (right + 1) % target.cfg.vocab_size
+    flawed = (index * 7 + jnp.arange(pool.depth) * 3) % 5 == 0
+    candidates = jnp.stack([jnp.where(flawed, wrong, right), jnp.where(flawed, right, wrong)], -1)
+    logp = jnp.log(jnp.asarray([0.7, 0.3]))
+    return cache, drafter_lib._nodes_from_candidates(candidates, logp + 0 * candidates, pool)
+
+  return propose
+
+
+@pytest.mark.parametrize("pool", ["sparse8", "chain"])
+def test_acceptance_rates_count_what_decoding_accepts(target, monkeypatch, pool):
+  # EOS 3 and the budget cut some rounds short: both are counted as decoding counts them.
+  cfg = decode.DecodeConfig(max_new_tokens=24, eos_ids=(3,), tree=pool)
+  reference = decode.generate(target, *padded(PROMPTS), jax.random.key(0), cfg)
+  full = np.zeros((len(PROMPTS), 64), np.int32)
+  for row, prompt in enumerate(PROMPTS):
+    full[row, : len(prompt)] = prompt
+    full[row, len(prompt) : len(prompt) + 24] = reference.tokens[row]
+  monkeypatch.setitem(drafter_lib.PROPOSERS, "pld", flawed_oracle(jnp.asarray(full)))
+  drafter = drafter_for("pld", target)
+  rates, rounds = tune_tree.acceptance_rates(target, drafter, PROMPTS, cfg, batch_size=4)
+  out = decode.generate(target, *padded(PROMPTS), jax.random.key(0), cfg, drafter)
+  assert rounds == int(out.rounds.sum())
+  tree = tree_lib.parse(pool, 4)
+  assert set(rates) == set(tree.paths)
+  per_depth = [sum(r for p, r in rates.items() if len(p) == d) for d in range(1, tree.depth + 1)]
+  np.testing.assert_allclose(np.asarray(per_depth) * rounds, out.accepted_per_depth.sum(0))
+  assert min(per_depth) > 0 and rates.get((1,), 1) > 0  # rank-1 nodes too, where present
+  # tokens per round over the pool itself is decoding's tau, pooled over the prompts.
+  tau = float((out.lengths - 1).sum() / out.rounds.sum())
+  np.testing.assert_allclose(tree_lib.expected_tokens(tree, rates), tau, rtol=1e-6)
+
+
+def test_tune_reports_plain_decoding_and_the_best_tree_of_each_size(target):
+  drafter = drafter_for("pspec", target)
+  rows, rounds = tune_tree.tune(
+    target,
+    drafter,
+    PROMPTS[:2],
+    pool_nodes=12,
+    sizes=[2, 4, 4, 40],
+    max_new_tokens=16,
+    eos_ids=(),
+    repeats=2,
+    batch_size=2,
+  )
+  assert rounds > 0
+  assert [r["nodes"] for r in rows] == [1, 2, 4, 12]  # 40 is capped at the pool
+  assert rows[0]["tree"] == "" and rows[0]["speedup"] == 1.0
+  for r in rows[1:]:
+    tree = tree_lib.parse(r["tree"], 4)
+    assert tree.num_nodes == r["nodes"]
+    assert r["ms"] > 0
+    np.testing.assert_allclose(r["speedup"], r["tokens_per_round"] * rows[0]["ms"] / r["ms"])
+  tokens = [r["tokens_per_round"] for r in rows]
+  assert tokens == sorted(tokens)  # a larger best tree never expects fewer tokens
