@@ -10,7 +10,8 @@ Two measurements, then a choice (the calibration of Medusa's and Sequoia's trees
    ancestors' match the target's, whatever else the tree holds, so these rates give the
    expected tokens per round of every subtree: `tree.best` builds the best one of N nodes.
 2. Cost. One whole round (verify, accept+commit, draft) with each of those trees, and one
-   plain auto-regressive round, timed on this device after compilation (medians).
+   plain auto-regressive round, timed on this device after compilation, taking turns round
+   by round (medians).
 Expected speedup = tokens per round x plain round time / round time. The tool prints the table,
 the fastest tree and the `--tree` flag that uses it (`infer.generate`, `infer.bench`, or the
 drafter's own `tree` in drafter.json). Calibration prompts default to ShareGPT's held-out
@@ -65,23 +66,28 @@ def acceptance_rates(target, drafter, prompts, cfg, batch_size):
   return rates, rounds
 
 
-def round_ms(target, drafter, ids, cfg, repeats):
-  """Median ms of one whole decoding round with `cfg`'s tree, at the prompt's context."""
+def round_costs(target, ids, runs, repeats):
+  """Median ms of one whole decoding round for each (cfg, drafter) of `runs`, at the prompt.
+
+  The runs take turns round by round, so machine noise hits them alike; each first compiles
+  and runs two warm-up rounds.
+  """
   import jax
 
   from infer.profile_round import timed
   from pspec_jax import data, decode
 
   tokens, lengths = data.pad_batch([ids])
-  state = jax.jit(decode.init, static_argnames="cfg")(
-    target, tokens, lengths, jax.random.key(0), cfg, drafter
-  )
+  init = jax.jit(decode.init, static_argnames="cfg")
   step = jax.jit(decode.round_step, static_argnames="cfg")
-  times = []
-  for _ in range(repeats + 2):  # two warm-up rounds: compilation, then a first run
-    state, seconds = timed(step, target, state, cfg, drafter)
-    times.append(seconds)
-  return 1e3 * statistics.median(times[2:])
+  key = jax.random.key(0)
+  states = [init(target, tokens, lengths, key, cfg, drafter) for cfg, drafter in runs]
+  times = [[] for _ in runs]
+  for _ in range(repeats + 2):
+    for i, (cfg, drafter) in enumerate(runs):
+      states[i], seconds = timed(step, target, states[i], cfg, drafter)
+      times[i].append(seconds)
+  return [1e3 * statistics.median(t[2:]) for t in times]
 
 
 def tune(
@@ -104,15 +110,20 @@ def tune(
   )
   decode.check_drafter(target, drafter, cfg)
   rates, rounds = acceptance_rates(target, drafter, prompts, cfg, batch_size)
-  # Timed rounds never stop early: no EOS, and a budget past the last timed round.
-  timing = dataclasses.replace(cfg, eos_ids=(), max_new_tokens=(repeats + 3) * (num_draft + 1))
-  plain_ms = round_ms(target, None, prompts[0], dataclasses.replace(timing, tree=""), repeats)
-  rows = [dict(nodes=1, tree="", tokens_per_round=1.0, ms=plain_ms, speedup=1.0)]
+  trees = []
   for n in sorted(set(sizes)):
     tree = tree_lib.best(rates, min(n, pool.num_nodes))
-    if tree.num_nodes < 2 or tree.num_nodes <= rows[-1]["nodes"]:
-      continue
-    ms = round_ms(target, drafter, prompts[0], dataclasses.replace(timing, tree=tree.spec), repeats)
+    if tree.num_nodes >= 2 and tree not in trees:
+      trees.append(tree)
+  # Timed rounds run in a cache as long as decoding's and never stop early: no EOS, and a
+  # budget past the last timed round.
+  budget = max(max_new_tokens, (repeats + 3) * (num_draft + 1))
+  timing = dataclasses.replace(cfg, eos_ids=(), max_new_tokens=budget)
+  runs = [(dataclasses.replace(timing, tree=""), None)]
+  runs += [(dataclasses.replace(timing, tree=t.spec), drafter) for t in trees]
+  plain_ms, *tree_ms = round_costs(target, prompts[0], runs, repeats)
+  rows = [dict(nodes=1, tree="", tokens_per_round=1.0, ms=plain_ms, speedup=1.0)]
+  for tree, ms in zip(trees, tree_ms, strict=True):
     tokens = tree_lib.expected_tokens(tree, rates)
     rows.append(
       dict(

@@ -8,6 +8,12 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One persistent compilation cache for the session's workers and the programs they start: the
+# CLI tests compile the same real-model programs again and again.
+os.environ.setdefault(
+  "JAX_COMPILATION_CACHE_DIR",
+  os.path.join(os.path.dirname(os.path.dirname(__file__)), ".pytest_cache", "jax"),
+)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
