@@ -25,19 +25,6 @@ def run_cli(*flags, timeout=300, devices=1):
   )
 
 
-def test_json_output_for_a_prompt_file(tmp_path):
-  prompts = tmp_path / "prompts.jsonl"
-  prompts.write_text('{"prompt": "What is 2 + 2?"}\n\n{"prompt": "Name a colour."}\n')
-  result = run_cli(f"--prompts={prompts}", "--batch_size=2", "--max_new_tokens=12", "--json")
-  assert result.returncode == 0, result.stderr
-  records = [json.loads(line) for line in result.stdout.splitlines()]
-  assert [r["prompt"] for r in records] == ["What is 2 + 2?", "Name a colour."]
-  for r in records:
-    assert {"prompt", "text", "tokens", "num_tokens", "seconds"} <= set(r)
-    assert 1 <= r["num_tokens"] == len(r["tokens"]) <= 12 and r["text"].strip()
-  assert "4" in records[0]["text"]
-
-
 def test_mt_bench_questions_are_read_first_turn():
   prompts = data.read_prompts(data.prompt_set_path("mt_bench"))
   assert len(prompts) == 80
@@ -98,11 +85,21 @@ def _json_lines(result):
 
 @pytest.fixture(scope="module")
 def plain_run(tmp_path_factory):
-  """Two prompts and their plain greedy decoding, shared by every drafting method."""
+  """Plain greedy decoding of a prompt file (with a blank line), shared by every drafting
+  method and the sharded run."""
   prompts = tmp_path_factory.mktemp("drafting") / "prompts.jsonl"
-  lines = ["Repeat the word apple ten times.", "Count from 1 to 20."]
-  prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in lines))
+  lines = ["What is 2 + 2?", "Repeat the word apple ten times."]
+  prompts.write_text(json.dumps({"prompt": lines[0]}) + "\n\n" + json.dumps({"prompt": lines[1]}))
   return prompts, _json_lines(run_cli(f"--prompts={prompts}", *DRAFT_FLAGS, "--method=none"))
+
+
+def test_json_output_for_a_prompt_file(plain_run):
+  _, records = plain_run
+  assert [r["prompt"] for r in records] == ["What is 2 + 2?", "Repeat the word apple ten times."]
+  for r in records:
+    assert {"prompt", "text", "tokens", "num_tokens", "seconds", "rounds", "tau"} <= set(r)
+    assert 1 <= r["num_tokens"] == len(r["tokens"]) <= 24 and r["text"].strip()
+  assert "4" in records[0]["text"]
 
 
 @pytest.mark.parametrize("method", ["pld", "pspec", "eagle", "medusa"])
@@ -120,11 +117,11 @@ def test_drafting_through_the_cli_is_lossless(plain_run, method):
   assert any(r["tau"] > 1 for r in drafted)
 
 
-def test_sharded_decoding_through_the_cli_gives_the_same_tokens():
-  """The embedded target over a tensor=2 mesh of two (fake) devices: MLP and vocabulary split."""
-  flags = ["--prompt=Name three colours.", "--max_new_tokens=12", "--json", "--method=pspec"]
-  runs = [run_cli(*flags), run_cli(*flags, "--mesh=tensor=2", devices=2)]
-  for result in runs:
-    assert result.returncode == 0, result.stderr
-  single, sharded = (json.loads(r.stdout) for r in runs)
-  assert sharded["tokens"] == single["tokens"] and len(single["tokens"]) == 12
+def test_sharded_decoding_through_the_cli_gives_the_same_tokens(plain_run):
+  """The embedded target and its pspec drafter over a tensor=2 mesh of two (fake) devices: MLP
+  and vocabulary split, and still plain decoding's tokens."""
+  prompts, plain_lines = plain_run
+  sharded = _json_lines(
+    run_cli(f"--prompts={prompts}", *DRAFT_FLAGS, "--method=pspec", "--mesh=tensor=2", devices=2)
+  )
+  assert [r["tokens"] for r in sharded] == [r["tokens"] for r in plain_lines]

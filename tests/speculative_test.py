@@ -289,11 +289,14 @@ def test_decoding_drafts_what_training_predicts(target, kind):
   drafter = drafter.replace(params=jax.tree.map(lambda x: 25 * x, drafter.params))
   cfg = decode.DecodeConfig(max_new_tokens=24, tree="chain")
   tokens, lengths = padded(PROMPTS[:1])
-  state = decode.init(target, tokens, lengths, jax.random.key(0), cfg, drafter)
+  state = jax.jit(decode.init, static_argnames="cfg")(
+    target, tokens, lengths, jax.random.key(0), cfg, drafter
+  )
+  round_step = jax.jit(decode.round_step, static_argnames="cfg")
   rounds = []
   while not bool(state.done.all()):
     rounds.append((int(state.cache.lengths[0]), np.asarray(state.node_tokens[0, 1:])))
-    state = decode.round_step(target, state, cfg, drafter)
+    state = round_step(target, state, cfg, drafter)
   seq = state.tokens[:, : int(state.num_tokens[0])]
   segments = jnp.ones_like(seq)
   positions, mask = losses.segment_positions(segments), losses.segment_mask(segments)
