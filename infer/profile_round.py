@@ -12,20 +12,12 @@ before it is timed; reported times are medians.
 """
 
 import statistics
-import sys
-import time
 
-from absl import app, flags, logging
+from absl import app, flags
+
+from infer import cli
 
 FLAGS = flags.FLAGS
-
-
-def timed(fn, *args):
-  import jax
-
-  began = time.perf_counter()
-  out = jax.block_until_ready(fn(*args))
-  return out, time.perf_counter() - began
 
 
 def phase_split(target, drafter, prompts, cfg):
@@ -46,9 +38,9 @@ def phase_split(target, drafter, prompts, cfg):
       tokens, lengths = data.pad_batch([ids])
       state = init(target, tokens, lengths, jax.random.key(0), cfg, drafter)
       while not bool(state.done.all()):
-        verified, t_verify = timed(verify, target, state, cfg, drafter)
-        (state, pairs), t_commit = timed(commit, state, verified, cfg, drafter)
-        state, t_draft = timed(draft, target, drafter, state, pairs, cfg)
+        verified, t_verify = cli.timed(verify, target, state, cfg, drafter)
+        (state, pairs), t_commit = cli.timed(commit, state, verified, cfg, drafter)
+        state, t_draft = cli.timed(draft, target, drafter, state, pairs, cfg)
         if not warm_up:
           times["verify"].append(t_verify)
           times["accept+commit"].append(t_commit)
@@ -69,7 +61,7 @@ def verify_cost(target, drafter, ids, cfg, nodes, repeats):
 
   def median_ms(fn, *args):
     jax.block_until_ready(fn(*args))  # compile
-    return 1e3 * statistics.median(timed(fn, *args)[1] for _ in range(repeats))
+    return 1e3 * statistics.median(cli.timed(fn, *args)[1] for _ in range(repeats))
 
   plain = jax.jit(decode.round_step, static_argnames="cfg")
   state = jax.jit(decode.init, static_argnames="cfg")(target, tokens, lengths, key, cfg)
@@ -128,16 +120,6 @@ def run():
     print(f"| {n} | {ms:.2f} | {ms / ar_ms:.2f} |", flush=True)
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  logging.set_verbosity(logging.WARNING)
-  try:
-    run()
-  except ValueError as e:
-    sys.exit(f"error: {e}")
-
-
 def define_flags():
   """Defines the command line; only when run as a program, so the CLI modules import together."""
   flags.DEFINE_string("target", "smollm2-135m-instruct", "Target name, HF directory or .gguf file.")
@@ -153,4 +135,4 @@ def define_flags():
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main)
+  app.run(cli.guarded(run))

@@ -21,9 +21,10 @@ depends on the siblings present.
 
 import json
 import statistics
-import sys
 
-from absl import app, flags, logging
+from absl import app, flags
+
+from infer import cli
 
 FLAGS = flags.FLAGS
 
@@ -74,7 +75,6 @@ def round_costs(target, ids, runs, repeats):
   """
   import jax
 
-  from infer.profile_round import timed
   from pspec_jax import data, decode
 
   tokens, lengths = data.pad_batch([ids])
@@ -85,7 +85,7 @@ def round_costs(target, ids, runs, repeats):
   times = [[] for _ in runs]
   for _ in range(repeats + 2):
     for i, (cfg, drafter) in enumerate(runs):
-      states[i], seconds = timed(step, target, states[i], cfg, drafter)
+      states[i], seconds = cli.timed(step, target, states[i], cfg, drafter)
       times[i].append(seconds)
   return [1e3 * statistics.median(t[2:]) for t in times]
 
@@ -149,8 +149,9 @@ def run():
   if FLAGS.pool < 2 or min(sizes, default=0) < 2 or FLAGS.num_prompts < 1 or FLAGS.repeats < 1:
     raise ValueError("--pool and every --sizes entry must be >= 2; --num_prompts, --repeats >= 1")
   tokenizer = checkpoints.load_tokenizer(FLAGS.target)
-  texts = data.prompt_set(FLAGS.prompts) if FLAGS.prompts in data.PROMPT_SETS else None
-  if texts is None:
+  if FLAGS.prompts in data.PROMPT_SETS:
+    texts = data.prompt_set(FLAGS.prompts)
+  else:
     texts = data.read_prompts(FLAGS.prompts)
   chat = tokenizer.chat_template is not None
   encoded = [data.encode_prompt(tokenizer, p, chat) for p in texts]
@@ -203,16 +204,6 @@ def run():
       json.dump(dict(meta=meta, rows=rows, best=chosen["tree"]), f, indent=1)
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  logging.set_verbosity(logging.WARNING)
-  try:
-    run()
-  except ValueError as e:
-    sys.exit(f"error: {e}")
-
-
 def define_flags():
   """Defines the command line; only when run as a program, so the CLI modules import together."""
   flags.DEFINE_string("target", "smollm2-135m-instruct", "Target name, HF directory or .gguf file.")
@@ -236,4 +227,4 @@ def define_flags():
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main)
+  app.run(cli.guarded(run))
