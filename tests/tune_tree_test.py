@@ -44,6 +44,7 @@ def test_acceptance_rates_count_what_decoding_accepts(target, monkeypatch, pool)
     full[row, : len(prompt)] = prompt
     full[row, len(prompt) : len(prompt) + 24] = reference.tokens[row]
   monkeypatch.setitem(drafter_lib.PROPOSERS, "pld", flawed_oracle(jnp.asarray(full)))
+  jax.clear_caches()  # jitted decoding traced by earlier tests holds the real pld proposer
   drafter = drafter_for("pld", target)
   rates, rounds = tune_tree.acceptance_rates(target, drafter, PROMPTS, cfg, batch_size=4)
   out = decode.generate(target, *padded(PROMPTS), jax.random.key(0), cfg, drafter)
