@@ -27,8 +27,10 @@ import statistics
 import sys
 import time
 
-from absl import app, flags, logging
+from absl import flags
 from ml_collections import config_flags
+
+from pspec_jax import cli
 
 OUR_METHODS = ("none", "pld", "medusa", "eagle", "pspec")
 HF_METHODS = ("hf", "hf_pld")
@@ -639,21 +641,12 @@ def plots(results: dict, out: str) -> list[str]:
   return written
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  logging.set_verbosity(logging.WARNING)
+def main():
   config = flags.FLAGS.config
   if flags.FLAGS.dry_run:
-    try:
-      print(dry_run(config))
-    except ValueError as e:
-      raise SystemExit(f"error: {e}") from None
+    print(dry_run(config))
     return
-  try:
-    results = run(config)
-  except ValueError as e:
-    raise SystemExit(f"error: {e}") from None
+  results = run(config)
   out = config.out or os.path.join(
     "bench_results", datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
   )
@@ -681,5 +674,4 @@ def define_flags():
 
 
 if __name__ == "__main__":
-  define_flags()
-  app.run(main)
+  cli.run(main, define_flags)

@@ -18,7 +18,9 @@ import os
 import sys
 import time
 
-from absl import app, flags, logging
+from absl import flags
+
+from pspec_jax import cli
 
 FLAGS = flags.FLAGS
 
@@ -54,13 +56,17 @@ def run() -> None:
   # Flag errors first: they need no model.
   if FLAGS.tree:
     tree_lib.parse(FLAGS.tree, FLAGS.num_draft or 8)
+  if FLAGS.num_draft is not None and FLAGS.num_draft < 1:
+    raise ValueError(f"--num_draft must be >= 1, got {FLAGS.num_draft}")
   mesh = sharding.make_mesh(**sharding.parse_mesh(FLAGS.mesh)) if FLAGS.mesh else None
+  # The drafter's flags, checked before the target's weights are read.
+  drafter_files.drafter_source(
+    FLAGS.method, FLAGS.drafter, checkpoints.load_target_config(FLAGS.target).name
+  )
   tokenizer = checkpoints.load_tokenizer(FLAGS.target)
   chat = FLAGS.chat if FLAGS.chat is not None else tokenizer.chat_template is not None
   encoded = [data.encode_prompt(tokenizer, p, chat) for p in prompts]
   target = checkpoints.load_target(FLAGS.target, scan_layers=False, mesh=mesh)
-  if FLAGS.num_draft is not None and FLAGS.num_draft < 1:
-    raise ValueError(f"--num_draft must be >= 1, got {FLAGS.num_draft}")
   drafter = drafter_files.resolve_drafter(
     FLAGS.method, FLAGS.drafter, target, seed=FLAGS.seed, num_draft=FLAGS.num_draft or 4
   )
@@ -115,18 +121,6 @@ def run() -> None:
         print(f"> {prompt}\n\n{text}\n", flush=True)
 
 
-def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)  # jax logs its backend probing at INFO
-  try:
-    run()
-  except ValueError as e:
-    # Bad input: one line, no traceback.
-    raise SystemExit(f"error: {e}") from None
-
-
 def define_flags():
   """Defines the command line; only when run as a program, so the CLI modules import together."""
   flags.DEFINE_string("target", "smollm2-135m-instruct", "Target name, HF directory or .gguf file.")
@@ -162,5 +156,4 @@ def define_flags():
 
 
 if __name__ == "__main__":
-  define_flags()
-  app.run(main)
+  cli.run(run, define_flags)

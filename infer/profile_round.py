@@ -13,9 +13,9 @@ before it is timed; reported times are medians.
 
 import statistics
 
-from absl import app, flags
+from absl import flags
 
-from infer import cli
+from pspec_jax import cli
 
 FLAGS = flags.FLAGS
 
@@ -134,5 +134,4 @@ def define_flags():
 
 
 if __name__ == "__main__":
-  define_flags()
-  app.run(cli.guarded(run))
+  cli.run(run, define_flags)

@@ -22,9 +22,9 @@ depends on the siblings present.
 import json
 import statistics
 
-from absl import app, flags
+from absl import flags
 
-from infer import cli
+from pspec_jax import cli
 
 FLAGS = flags.FLAGS
 
@@ -226,5 +226,4 @@ def define_flags():
 
 
 if __name__ == "__main__":
-  define_flags()
-  app.run(cli.guarded(run))
+  cli.run(run, define_flags)

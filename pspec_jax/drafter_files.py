@@ -136,34 +136,48 @@ def shipped_drafter(target_name: str, kind: str) -> str | None:
   return path if os.path.isfile(os.path.join(path, CONFIG_FILE)) else None
 
 
-def resolve_drafter(
-  method: str, spec: str | None, target: Target, *, seed: int = 0, num_draft: int = 4
-) -> Drafter | None:
-  """The drafter a command line asks for.
+def drafter_source(method: str, spec: str | None, target_name: str) -> str | None:
+  """Where the drafter a command line asks for comes from, checked without loading anything:
+  a drafter directory, `random`, or None (`none` and `pld` need no drafter file).
 
   Args:
     method: `none` (no drafter) or a drafter kind.
-    spec: a drafter directory, or `random` for an untrained drafter (seeded); pld needs none.
+    spec: a drafter directory, or `random` for an untrained drafter; pld needs none.
       None or empty: the drafter of this kind shipped for the target, if there is one.
-    target: the target it drafts for.
-    seed: seeds a random drafter.
-    num_draft: K of a random or pld drafter (a saved drafter keeps its own).
+    target_name: the target's name, which picks its shipped drafter.
   """
   if method not in ("none", *KINDS):
     raise ValueError(f"unknown method {method!r}: use none or one of {', '.join(KINDS)}")
   if method in ("none", "pld") and spec:
     raise ValueError(f"--method={method} takes no --drafter")
+  if method in ("none", "pld"):
+    return None
+  spec = spec or shipped_drafter(target_name, method)
+  if not spec:
+    raise ValueError(
+      f"--method={method} needs --drafter (a drafter directory, or random): no {method} "
+      f"drafter ships for target {target_name!r}"
+    )
+  config_path = os.path.join(spec, CONFIG_FILE)
+  if spec != "random" and not os.path.isfile(config_path):
+    raise ValueError(f"drafter not found: {config_path} does not exist")
+  return spec
+
+
+def resolve_drafter(
+  method: str, spec: str | None, target: Target, *, seed: int = 0, num_draft: int = 4
+) -> Drafter | None:
+  """The drafter a command line asks for (see `drafter_source`) for `target`.
+
+  `seed` seeds a random drafter; `num_draft` is the K of a random or pld drafter (a saved
+  drafter keeps its own).
+  """
+  spec = drafter_source(method, spec, target.cfg.name)
   if method == "none":
     return None
   if method == "pld":
     cfg = DrafterConfig.for_target("pld", target.cfg, num_draft=num_draft)
     return Drafter(cfg=cfg, params={})
-  spec = spec or shipped_drafter(target.cfg.name, method)
-  if not spec:
-    raise ValueError(
-      f"--method={method} needs --drafter (a drafter directory, or random): no {method} "
-      f"drafter ships for target {target.cfg.name!r}"
-    )
   if spec == "random":
     return random_drafter(method, target, jax.random.key(seed), num_draft=num_draft)
   drafter = load_drafter(spec, target)

@@ -2,6 +2,7 @@
 command line's `resolve_drafter`."""
 
 import json
+import os
 
 import jax
 import numpy as np
@@ -185,6 +186,18 @@ def test_resolve_none_and_pld(target):
   assert (pld.cfg.kind, pld.cfg.num_draft, pld.params) == ("pld", 6, {})
   with pytest.raises(ValueError, match="unknown method 'beam'"):
     drafter_files.resolve_drafter("beam", None, target)
+
+
+def test_drafter_source_checks_the_flags_without_loading(tmp_path):
+  shipped = drafter_files.drafter_source("pspec", None, "smollm2-135m-instruct")
+  assert shipped == drafter_files.shipped_drafter("smollm2-135m-instruct", "pspec")
+  assert os.path.isfile(os.path.join(shipped, drafter_files.CONFIG_FILE))
+  assert drafter_files.drafter_source("eagle", "random", "any") == "random"
+  assert drafter_files.drafter_source("pld", None, "any") is None
+  with pytest.raises(ValueError, match="drafter not found: .*drafter.json does not exist"):
+    drafter_files.drafter_source("pspec", str(tmp_path), "any")
+  with pytest.raises(ValueError, match="--method=none takes no --drafter"):
+    drafter_files.drafter_source("none", str(tmp_path), "any")
 
 
 @pytest.mark.parametrize("spec", [None, ""])

@@ -17,7 +17,7 @@ import time
 from absl import flags
 from ml_collections import config_flags
 
-from train import cli
+from pspec_jax import cli
 
 FLAGS = flags.FLAGS
 
@@ -282,7 +282,7 @@ def dry_run(config) -> None:
   print(plan.memory_table(config, step_config(config)))
 
 
-def main(argv):
+def main():
   config = FLAGS.config
   if FLAGS.dry_run:
     dry_run(config)
@@ -296,6 +296,7 @@ def main(argv):
 def define_flags():
   """Defines the command line; only when run as a program, so the CLI modules import together."""
   config_flags.DEFINE_config_file("config", None, "Training config file.", lock_config=True)
+  flags.mark_flags_as_required(["config"])
   flags.DEFINE_string("workdir", None, "Checkpoints, metrics and the export (default: config).")
   flags.DEFINE_bool(
     "dry_run", False, "Print the per-device memory plan and exit; allocates nothing."
@@ -306,5 +307,4 @@ def define_flags():
 
 
 if __name__ == "__main__":
-  define_flags()
-  cli.run(main)
+  cli.run(main, define_flags)

@@ -17,7 +17,7 @@ import os
 from absl import flags
 from ml_collections import config_flags
 
-from train import cli
+from pspec_jax import cli
 
 FLAGS = flags.FLAGS
 
@@ -114,15 +114,15 @@ def _shard_path(out: str, index: int) -> str:
   return os.path.join(out, f"part-{index:05d}.jsonl")
 
 
-def main(argv):
+def main():
   run(FLAGS.config)
 
 
 def define_flags():
   """Defines the command line; only when run as a program, so the CLI modules import together."""
   config_flags.DEFINE_config_file("config", None, "Training config file.", lock_config=True)
+  flags.mark_flags_as_required(["config"])
 
 
 if __name__ == "__main__":
-  define_flags()
-  cli.run(main)
+  cli.run(main, define_flags)

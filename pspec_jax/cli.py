@@ -1,0 +1,68 @@
+"""What the project's command-line programs share: one way to run a main, and a timer.
+
+Every program (`train.distill`, `train.selfdistill`, `infer.generate`, `infer.bench`,
+`infer.profile_round`, `infer.tune_tree`) ends bad input with one `error:` line and exit code 1,
+never a traceback: a bad `--config` (an unknown key, variant or file) and any `ValueError`
+(or `FloatingPointError`, a diverged training run) raised by its main.
+"""
+
+import contextlib
+import sys
+import time
+
+from absl import app, flags, logging
+
+FLAGS = flags.FLAGS
+
+
+@contextlib.contextmanager
+def _flag_errors():
+  """Bad flags, and a config file that fails to load or override, as one `error:` line."""
+  try:
+    yield
+  except (flags.Error, AttributeError, KeyError, OSError, TypeError, ValueError) as e:
+    # ml_collections reports an unknown key as AttributeError("'name'"); absl wraps errors of
+    # the config file in a flags.Error whose last line is the cause.
+    lines = str(e).strip().splitlines() or [type(e).__name__]
+    reason = lines[-1].strip() if isinstance(e, flags.Error | OSError) else lines[0]
+    if isinstance(e, AttributeError | KeyError):
+      reason = f"unknown config key {reason.strip(chr(34) + chr(39))!r}"
+    sys.exit(f"error: {reason}")
+
+
+def _parse(argv):
+  with _flag_errors():
+    rest = FLAGS(argv)
+    if "config" in FLAGS and FLAGS.config is not None:
+      FLAGS.config.keys()  # a config file that failed to load raises on first use
+  return rest
+
+
+def run(main, define_flags) -> None:
+  """Defines the flags (`define_flags()`), parses them and runs `main()` as the program.
+
+  A config file with a default is loaded, and its overrides applied, as its flag is defined.
+  """
+  with _flag_errors():
+    define_flags()
+
+  def guarded(argv):
+    if len(argv) > 1:
+      raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not FLAGS["verbosity"].present:
+      logging.set_verbosity(logging.WARNING)  # jax logs its backend probing at INFO
+    try:
+      main()
+    except (ValueError, FloatingPointError) as e:
+      sys.exit(f"error: {e}")
+
+  app.run(guarded, flags_parser=_parse)
+
+
+def timed(fn, *args):
+  """(fn(*args), seconds), waiting for the result on the device."""
+  import jax
+
+  began = time.perf_counter()
+  out = jax.block_until_ready(fn(*args))
+  return out, time.perf_counter() - began
