@@ -13,6 +13,7 @@ Both formats are read into HF's tensor naming and layout (`model.layers.{i}.self
 """
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -290,6 +291,18 @@ def _unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def _gguf_reader(path: str):
+  """The file's parsed header and memory-mapped tensors. Parsing takes seconds, so the config,
+  the weights and the EOS ids of one file share one reader (until the file changes)."""
+  try:
+    stat = os.stat(path)
+  except OSError as e:
+    raise ValueError(f"cannot read GGUF file {path}: {e}") from None
+  return _parsed_gguf(os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed_gguf(path: str, size: int, mtime_ns: int):
+  del size, mtime_ns  # the cache key: a rewritten file is parsed again
   import gguf
 
   try:
@@ -423,6 +436,10 @@ def _placer(cfg: LlamaConfig, mesh: Mesh | None) -> Callable | None:
   return lambda path, x: jax.device_put(x, table[path])
 
 
+# Tokenizers built from GGUF files, saved in HF format.
+TOKENIZER_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "pspec_jax", "tokenizers")
+
+
 def load_tokenizer(spec: str):
   """The target's HF tokenizer (from the directory, or built from the GGUF metadata)."""
   from transformers import AutoTokenizer
@@ -430,11 +447,40 @@ def load_tokenizer(spec: str):
   source = resolve_target(spec)
   try:
     if source.kind == "gguf":
-      directory, filename = os.path.split(os.path.abspath(source.path))
-      return AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+      return _gguf_tokenizer(source.path)
     return AutoTokenizer.from_pretrained(source.path)
   except (OSError, ValueError) as e:
     raise ValueError(f"cannot load the tokenizer of {spec}: {e}") from None
+
+
+def _gguf_tokenizer(path: str):
+  """Building a tokenizer from GGUF metadata takes seconds, so it is built once per file (and
+  transformers version) and read back from a copy saved under `TOKENIZER_CACHE`."""
+  import hashlib
+  import shutil
+  import tempfile
+
+  import transformers
+  from transformers import AutoTokenizer
+
+  path = os.path.abspath(path)
+  stat = os.stat(path)
+  key = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+  cached = os.path.join(TOKENIZER_CACHE, hashlib.sha256(key.encode()).hexdigest()[:16])
+  if os.path.isfile(os.path.join(cached, "tokenizer.json")):
+    return AutoTokenizer.from_pretrained(cached)
+  directory, filename = os.path.split(path)
+  tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+  partial = None
+  try:  # saved whole or not at all (another process may win); an unwritable cache costs time
+    os.makedirs(TOKENIZER_CACHE, exist_ok=True)
+    partial = tempfile.mkdtemp(dir=TOKENIZER_CACHE)
+    tokenizer.save_pretrained(partial)
+    os.rename(partial, cached)
+  except OSError:
+    if partial:
+      shutil.rmtree(partial, ignore_errors=True)
+  return tokenizer
 
 
 def eos_token_ids(spec: str, tokenizer) -> tuple[int, ...]:

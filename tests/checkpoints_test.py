@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -147,3 +148,29 @@ def test_bfloat16_params(hf_dir):
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(target.params))
   features, _ = target(jnp.ones((1, 4), jnp.int32), jnp.arange(4)[None])
   assert features.dtype == jnp.bfloat16 and target.logits(features).dtype == jnp.float32
+
+
+def test_a_gguf_tokenizer_is_built_once_then_read_back(tmp_path, monkeypatch, smollm2):
+  cache = tmp_path / "tokenizers"
+  monkeypatch.setattr(checkpoints, "TOKENIZER_CACHE", str(cache))
+  built = checkpoints.load_tokenizer("smollm2-135m-instruct")
+  (saved,) = os.listdir(cache)  # one complete copy, no partial one left
+  read = checkpoints.load_tokenizer("smollm2-135m-instruct")
+  assert read.name_or_path == str(cache / saved) and os.listdir(cache) == [saved]
+  chat = [{"role": "user", "content": "Name three rivers. ünïcödé 日本語 🙂\n\tdef f(x): pass"}]
+  expected = smollm2[1].apply_chat_template(chat, add_generation_prompt=True)
+  for tokenizer in (built, read):
+    assert tokenizer.apply_chat_template(chat, add_generation_prompt=True) == expected
+    assert tokenizer.eos_token_id == 2 and len(tokenizer) == 49152
+  # An unwritable cache costs time, not the tokenizer.
+  monkeypatch.setattr(checkpoints, "TOKENIZER_CACHE", "/proc/no-such-dir")
+  assert len(checkpoints.load_tokenizer("smollm2-135m-instruct")) == 49152
+
+
+def test_one_gguf_file_is_parsed_once_until_it_changes(tmp_path):
+  copy = tmp_path / "model.gguf"
+  shutil.copyfile(checkpoints.resolve_target("smollm2-135m-instruct").path, copy)
+  first = checkpoints._gguf_reader(str(copy))
+  assert checkpoints._gguf_reader(str(copy)) is first  # config, weights and EOS ids share it
+  os.utime(copy, ns=(0, 0))
+  assert checkpoints._gguf_reader(str(copy)) is not first
