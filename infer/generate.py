@@ -14,7 +14,6 @@ per prompt instead.
 """
 
 import json
-import os
 import sys
 import time
 
@@ -34,9 +33,7 @@ def _prompts() -> list[str]:
     raise ValueError(f"--num_prompts must be >= 0, got {FLAGS.num_prompts}")
   if FLAGS.prompt is not None:
     return [FLAGS.prompt]
-  if FLAGS.prompts in data.PROMPT_SETS and not os.path.exists(FLAGS.prompts):
-    return data.prompt_set(FLAGS.prompts, FLAGS.num_prompts)
-  return data.read_prompts(FLAGS.prompts)[: FLAGS.num_prompts or None]
+  return data.prompts_from(FLAGS.prompts, FLAGS.num_prompts)
 
 
 def run() -> None:

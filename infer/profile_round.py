@@ -85,7 +85,7 @@ def run():
 
   transformers.logging.set_verbosity_error()
   tokenizer = checkpoints.load_tokenizer(FLAGS.target)
-  prompts = data.read_prompts(data.prompt_set_path("mt_bench"))[: FLAGS.num_prompts]
+  prompts = data.prompt_set("mt_bench", FLAGS.num_prompts)
   encoded = [data.encode_prompt(tokenizer, p, tokenizer.chat_template is not None) for p in prompts]
   target = checkpoints.load_target(FLAGS.target, scan_layers=False)
   cfg = decode.DecodeConfig(

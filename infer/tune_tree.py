@@ -1,7 +1,7 @@
 r"""Tune the token tree to a drafter and a device: the static tree of most tokens per second.
 
   python -m infer.tune_tree                       # the shipped pspec drafter, embedded target
-  python -m infer.tune_tree --method=eagle --max_nodes=16 --num_prompts=16 --out=eagle.json
+  python -m infer.tune_tree --method=eagle --sizes=2,4,8,16 --num_prompts=16 --out=eagle.json
 
 Two measurements, then a choice (the calibration of Medusa's and Sequoia's trees, measured):
 1. Acceptance. The calibration prompts are decoded greedily with a wide tree (`--pool` nodes,
@@ -141,20 +141,19 @@ def run():
   import transformers
 
   from pspec_jax import checkpoints, data, drafter_files
+  from pspec_jax import drafter as drafter_lib
 
   transformers.logging.set_verbosity_error()
-  if FLAGS.method not in ("pspec", "eagle", "medusa", "pld"):
-    raise ValueError(f"--method must be one of pspec, eagle, medusa, pld, got {FLAGS.method!r}")
+  if FLAGS.method not in drafter_lib.KINDS:
+    raise ValueError(
+      f"--method must be one of {', '.join(drafter_lib.KINDS)}, got {FLAGS.method!r}"
+    )
   sizes = [int(n) for n in FLAGS.sizes]
   if FLAGS.pool < 2 or min(sizes, default=0) < 2 or FLAGS.num_prompts < 1 or FLAGS.repeats < 1:
     raise ValueError("--pool and every --sizes entry must be >= 2; --num_prompts, --repeats >= 1")
   tokenizer = checkpoints.load_tokenizer(FLAGS.target)
-  if FLAGS.prompts in data.PROMPT_SETS:
-    texts = data.prompt_set(FLAGS.prompts)
-  else:
-    texts = data.read_prompts(FLAGS.prompts)
   chat = tokenizer.chat_template is not None
-  encoded = [data.encode_prompt(tokenizer, p, chat) for p in texts]
+  encoded = [data.encode_prompt(tokenizer, p, chat) for p in data.prompts_from(FLAGS.prompts)]
   prompts = [ids for ids in encoded if len(ids) <= FLAGS.max_prompt_tokens][: FLAGS.num_prompts]
   if not prompts:
     raise ValueError(f"no prompt of {FLAGS.prompts} fits --max_prompt_tokens")

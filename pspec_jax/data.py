@@ -67,6 +67,14 @@ def prompt_set(name: str, limit: int = 0) -> list[str]:
   return read_prompts(prompt_set_path(name))[: limit or None]
 
 
+def prompts_from(source: str, limit: int = 0) -> list[str]:
+  """The first `limit` (0: all) prompts of a named set (`prompt_set`) or of a JSONL file
+  (`read_prompts`); a file of a set's name wins."""
+  if source in PROMPT_SETS and not os.path.exists(source):
+    return prompt_set(source, limit)
+  return read_prompts(source)[: limit or None]
+
+
 def read_prompts(path: str) -> list[str]:
   """Prompts from a JSONL file (.jsonl.gz too): `{"prompt": ...}` lines, or MT-Bench's."""
   if not os.path.isfile(path):
