@@ -136,7 +136,7 @@ def test_nan_loss_stops_with_the_last_checkpoint_intact(uninterrupted, tmp_path)
   assert "error: loss is" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_selfdistill_writes_resumable_shards(tmp_path):
+def test_selfdistill_writes_resumable_shards(tmp_path, smollm2):
   out = tmp_path / "sd"
   command = [
     sys.executable,
@@ -154,11 +154,41 @@ def test_selfdistill_writes_resumable_shards(tmp_path):
   for r in records:
     turns = r["conversations"]
     assert turns[-2]["from"] == "user" and turns[-1]["from"] == "gpt" and turns[-1]["value"]
-  first = (out / shards[0]).read_text()
+  # Batches are formed by prompt length (shard 0's two prompts swap places), yet every record
+  # holds its own prompt's greedy answer.
+  assert [r["conversations"][-1]["value"] for r in records] == _greedy_answers(smollm2, records)
+  # A missing shard, and one shorter than the config asks for (as after raising
+  # num_conversations), are answered again; greedy, so with the same answers.
+  written = [(out / name).read_text() for name in shards]
   (out / shards[0]).unlink()
+  (out / shards[1]).write_text(written[1].splitlines(keepends=True)[0])
   result = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True)
   assert result.returncode == 0, result.stderr[-3000:]
-  assert (out / shards[0]).read_text() == first  # greedy: the same answers again
+  assert [(out / name).read_text() for name in shards] == written
+
+
+def _greedy_answers(smollm2, records, max_new_tokens=8):
+  """The target's greedy answer to each record's prompt, decoded in one batch."""
+  import jax
+
+  from pspec_jax import checkpoints, data, decode
+
+  target, tokenizer = smollm2
+  prompts = []
+  for r in records:
+    turns = [{"role": t["from"], "content": t["value"]} for t in r["conversations"][:-1]]
+    text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+    prompts.append(tokenizer(text, add_special_tokens=False).input_ids)
+  cfg = decode.DecodeConfig(
+    max_new_tokens=max_new_tokens,
+    eos_ids=checkpoints.eos_token_ids("smollm2-135m-instruct", tokenizer),
+    pad_id=tokenizer.pad_token_id or 0,
+  )
+  out = decode.generate(target, *data.pad_batch(prompts), jax.random.key(0), cfg)
+  return [
+    tokenizer.decode(out.tokens[row, : out.lengths[row]].tolist(), skip_special_tokens=True)
+    for row in range(len(records))
+  ]
 
 
 def test_workdir_urls_are_kept_and_local_paths_made_absolute(tmp_path, monkeypatch):

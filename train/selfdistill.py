@@ -67,7 +67,7 @@ def run(config) -> None:
   prompts = _prompts(config, tokenizer)
   os.makedirs(s.out, exist_ok=True)
   shards = [prompts[i : i + s.shard_size] for i in range(0, len(prompts), s.shard_size)]
-  todo = [i for i in range(len(shards)) if not os.path.exists(_shard_path(s.out, i))]
+  todo = [i for i in range(len(shards)) if _records(_shard_path(s.out, i)) != len(shards[i])]
   bar = tqdm(total=len(prompts), desc="self-distill", unit="conv")
   bar.update(sum(len(shards[i]) for i in range(len(shards)) if i not in todo))
   if not todo:
@@ -83,31 +83,45 @@ def run(config) -> None:
   )
   key = jax.random.key(config.seed)
   for index in todo:
-    records = []
     shard = shards[index]
+    answers = [None] * len(shard)
+    # Batches of similar prompt lengths, each padded to its own power-of-two width: less
+    # prefill and a shorter cache to attend over than one width for all (at most
+    # log2(max_prompt_tokens) compilations).
+    by_length = sorted(range(len(shard)), key=lambda i: len(shard[i][2]))
     for start in range(0, len(shard), s.batch_size):
-      batch = shard[start : start + s.batch_size]
-      # One prompt width for every batch: one compilation.
-      tokens, lengths = data.pad_batch([ids for _, _, ids in batch], max_width=s.max_prompt_tokens)
-      tokens = np.pad(
-        tokens, ((0, s.batch_size - len(batch)), (0, s.max_prompt_tokens - tokens.shape[1]))
-      )
-      lengths = np.pad(lengths, (0, s.batch_size - len(batch)), constant_values=1)
+      rows = by_length[start : start + s.batch_size]
+      tokens, lengths = data.pad_batch([shard[i][2] for i in rows])
+      tokens = np.pad(tokens, ((0, s.batch_size - len(rows)), (0, 0)))
+      lengths = np.pad(lengths, (0, s.batch_size - len(rows)), constant_values=1)
       batch_key = jax.random.fold_in(key, index * s.shard_size + start)
       out = jax.device_get(decode.generate(target, tokens, lengths, batch_key, cfg, drafter))
-      for row, (cid, turns, _) in enumerate(batch):  # padding rows are dropped
+      for row, i in enumerate(rows):  # padding rows are dropped
         ids = np.asarray(out.tokens[row, : out.lengths[row]]).tolist()
-        answer = tokenizer.decode(ids, skip_special_tokens=True)
-        conversation = [{"from": t["role"], "value": t["content"]} for t in turns]
-        records.append(
-          {"id": cid, "conversations": conversation + [{"from": "gpt", "value": answer}]}
-        )
-      bar.update(len(batch))
+        answers[i] = tokenizer.decode(ids, skip_special_tokens=True)
+      bar.update(len(rows))
+    records = [
+      {
+        "id": cid,
+        "conversations": [{"from": t["role"], "value": t["content"]} for t in turns]
+        + [{"from": "gpt", "value": answer}],
+      }
+      for (cid, turns, _), answer in zip(shard, answers, strict=True)
+    ]
     path = _shard_path(s.out, index)
     with open(path + ".tmp", "w") as fh:
       fh.writelines(json.dumps(r) + "\n" for r in records)
     os.replace(path + ".tmp", path)
   bar.close()
+
+
+def _records(path: str) -> int:
+  """Records in a written shard; 0 if none. A shorter shard than the config asks for (the last
+  one, after `num_conversations` was raised) is answered again in full."""
+  if not os.path.exists(path):
+    return 0
+  with open(path) as fh:
+    return sum(1 for _ in fh)
 
 
 def _shard_path(out: str, index: int) -> str:
