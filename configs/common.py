@@ -134,7 +134,7 @@ def training_config(
       heldout_per_mille=20,
       max_conversations=0,  # 0: all
       packed=True,  # several conversations per row (attention never crosses them)
-      cache_dir="",  # "" -> ~/.cache/pspec_jax/data
+      cache_dir="",  # "" -> $PSPEC_JAX_CACHE/data, by default ~/.cache/pspec_jax/data
       # Run the target over the data once and train from its stored features ([N, S, D]
       # float32 on disk; one host): worth it when the target dominates the step and the data
       # is seen many times.

@@ -13,4 +13,16 @@ Shape suffixes used throughout (`logits_BTV`, `kv_LBSKH`, einsum strings alike):
   P draft depth    M tree nodes
 """
 
+import os
+
 __version__ = "0.1.0"
+
+
+def cache_dir(name: str) -> str:
+  """Where pspec_jax keeps what it computes once and reads back (`tokenizers` built from GGUF
+  files, tokenised training `data` and target features): `$PSPEC_JAX_CACHE/name`, by default
+  under ~/.cache/pspec_jax."""
+  root = os.environ.get("PSPEC_JAX_CACHE") or os.path.join(
+    os.path.expanduser("~"), ".cache", "pspec_jax"
+  )
+  return os.path.join(root, name)

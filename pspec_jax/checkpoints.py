@@ -27,6 +27,7 @@ import numpy as np
 from flax import traverse_util
 from jax.sharding import Mesh
 
+import pspec_jax
 from pspec_jax import llama, sharding
 from pspec_jax.llama import LlamaConfig, RopeScaling, Target, stack_layers
 
@@ -436,10 +437,6 @@ def _placer(cfg: LlamaConfig, mesh: Mesh | None) -> Callable | None:
   return lambda path, x: jax.device_put(x, table[path])
 
 
-# Tokenizers built from GGUF files, saved in HF format.
-TOKENIZER_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "pspec_jax", "tokenizers")
-
-
 def load_tokenizer(spec: str):
   """The target's HF tokenizer (from the directory, or built from the GGUF metadata)."""
   from transformers import AutoTokenizer
@@ -455,7 +452,8 @@ def load_tokenizer(spec: str):
 
 def _gguf_tokenizer(path: str):
   """Building a tokenizer from GGUF metadata takes seconds, so it is built once per file (and
-  transformers version) and read back from a copy saved under `TOKENIZER_CACHE`."""
+  transformers version) and read back from a copy saved in HF format under
+  `pspec_jax.cache_dir("tokenizers")`."""
   import hashlib
   import shutil
   import tempfile
@@ -466,15 +464,16 @@ def _gguf_tokenizer(path: str):
   path = os.path.abspath(path)
   stat = os.stat(path)
   key = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
-  cached = os.path.join(TOKENIZER_CACHE, hashlib.sha256(key.encode()).hexdigest()[:16])
+  cache = pspec_jax.cache_dir("tokenizers")
+  cached = os.path.join(cache, hashlib.sha256(key.encode()).hexdigest()[:16])
   if os.path.isfile(os.path.join(cached, "tokenizer.json")):
     return AutoTokenizer.from_pretrained(cached)
   directory, filename = os.path.split(path)
   tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
   partial = None
   try:  # saved whole or not at all (another process may win); an unwritable cache costs time
-    os.makedirs(TOKENIZER_CACHE, exist_ok=True)
-    partial = tempfile.mkdtemp(dir=TOKENIZER_CACHE)
+    os.makedirs(cache, exist_ok=True)
+    partial = tempfile.mkdtemp(dir=cache)
     tokenizer.save_pretrained(partial)
     os.rename(partial, cached)
   except OSError:

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+import pspec_jax
+
 # Prompt sets shipped in PyPI packages: (module, path inside it, package).
 PROMPT_FILES = {
   "mt_bench": (
@@ -375,7 +377,7 @@ def coverage(token_data: TokenData, vocab: np.ndarray) -> float:
 
 
 def default_cache_dir() -> str:
-  return os.path.join(os.path.expanduser("~"), ".cache", "pspec_jax", "data")
+  return pspec_jax.cache_dir("data")
 
 
 def load_token_data(

@@ -151,8 +151,8 @@ def test_bfloat16_params(hf_dir):
 
 
 def test_a_gguf_tokenizer_is_built_once_then_read_back(tmp_path, monkeypatch, smollm2):
+  monkeypatch.setenv("PSPEC_JAX_CACHE", str(tmp_path))
   cache = tmp_path / "tokenizers"
-  monkeypatch.setattr(checkpoints, "TOKENIZER_CACHE", str(cache))
   built = checkpoints.load_tokenizer("smollm2-135m-instruct")
   (saved,) = os.listdir(cache)  # one complete copy, no partial one left
   read = checkpoints.load_tokenizer("smollm2-135m-instruct")
@@ -163,7 +163,7 @@ def test_a_gguf_tokenizer_is_built_once_then_read_back(tmp_path, monkeypatch, sm
     assert tokenizer.apply_chat_template(chat, add_generation_prompt=True) == expected
     assert tokenizer.eos_token_id == 2 and len(tokenizer) == 49152
   # An unwritable cache costs time, not the tokenizer.
-  monkeypatch.setattr(checkpoints, "TOKENIZER_CACHE", "/proc/no-such-dir")
+  monkeypatch.setenv("PSPEC_JAX_CACHE", "/proc/no-such-dir")
   assert len(checkpoints.load_tokenizer("smollm2-135m-instruct")) == 49152
 
 
