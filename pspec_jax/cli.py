@@ -3,7 +3,8 @@
 Every program (`train.distill`, `train.selfdistill`, `infer.generate`, `infer.bench`,
 `infer.profile_round`, `infer.tune_tree`) ends bad input with one `error:` line and exit code 1,
 never a traceback: a bad `--config` (an unknown key, variant or file) and any `ValueError`
-(or `FloatingPointError`, a diverged training run) raised by its main.
+(or `FloatingPointError`, a diverged training run) raised by its main. Each keeps what XLA
+compiles for the next run (`keep_compiled_programs`).
 """
 
 import contextlib
@@ -11,6 +12,8 @@ import sys
 import time
 
 from absl import app, flags, logging
+
+import pspec_jax
 
 FLAGS = flags.FLAGS
 
@@ -38,6 +41,18 @@ def _parse(argv):
   return rest
 
 
+def keep_compiled_programs(max_bytes: int = 4 << 30) -> None:
+  """Compiled programs are kept under `pspec_jax.cache_dir("xla")` (up to `max_bytes`, least
+  recently used dropped first), so a second run, or a training run resumed after preemption,
+  skips compiling them again. A cache the user set (`JAX_COMPILATION_CACHE_DIR`) is kept."""
+  import jax
+
+  if jax.config.jax_compilation_cache_dir:
+    return
+  jax.config.update("jax_compilation_cache_dir", pspec_jax.cache_dir("xla"))
+  jax.config.update("jax_compilation_cache_max_size", max_bytes)
+
+
 def run(main, define_flags) -> None:
   """Defines the flags (`define_flags()`), parses them and runs `main()` as the program.
 
@@ -51,6 +66,7 @@ def run(main, define_flags) -> None:
       raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not FLAGS["verbosity"].present:
       logging.set_verbosity(logging.WARNING)  # jax logs its backend probing at INFO
+    keep_compiled_programs()
     try:
       main()
     except (ValueError, FloatingPointError) as e:

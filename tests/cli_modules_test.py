@@ -52,3 +52,17 @@ def test_an_unknown_config_key_is_one_clear_line(name, args):
   )
   assert out.returncode == 1
   assert out.stderr.strip() == "error: unknown config key 'nope'", out.stderr
+
+
+def test_a_program_keeps_what_it_compiled_for_the_next_run(tmp_path):
+  env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+  command = [sys.executable, "-m", "infer.generate", "--prompt=Hi", "--max_new_tokens=2"]
+  out = subprocess.run(
+    command,
+    capture_output=True,
+    text=True,
+    env=dict(env, JAX_PLATFORMS="cpu", PSPEC_JAX_CACHE=str(tmp_path)),
+    check=False,
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert os.listdir(tmp_path / "xla")  # the decoding programs
