@@ -42,11 +42,13 @@ def acceptance_rates(target, drafter, prompts, cfg, batch_size):
 
   @jax.jit
   def calibration_round(state):
+    # decode.round_step's three steps, with the accepted path (greedy: the key is moot).
     verified = decode.verify(target, state, cfg, drafter)
     path_BP1, num_accepted_B, _ = accept(
       verified.logits, verified.node_tokens, verified.tree, pool.depth, state.key, cfg.sampling
     )
-    after = decode.round_step(target, state, cfg, drafter)
+    after, pairs = decode.commit(state, verified, cfg, drafter)
+    after = decode.draft(target, drafter, after, pairs, cfg)
     # Count what the round kept, as decoding's own statistics do: the accepted path, cut at an
     # EOS or the token budget; nothing for finished sequences.
     kept_B = after.num_tokens - state.num_tokens
