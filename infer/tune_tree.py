@@ -42,10 +42,11 @@ def acceptance_rates(target, drafter, prompts, cfg, batch_size):
 
   @jax.jit
   def calibration_round(state):
-    # decode.round_step's three steps, with the accepted path (greedy: the key is moot).
+    # decode.round_step's three steps, keeping the path that commit accepts (its key too).
     verified = decode.verify(target, state, cfg, drafter)
+    key = jax.random.fold_in(state.key, state.step + 1)
     path_BP1, num_accepted_B, _ = accept(
-      verified.logits, verified.node_tokens, verified.tree, pool.depth, state.key, cfg.sampling
+      verified.logits, verified.node_tokens, verified.tree, pool.depth, key, cfg.sampling
     )
     after, pairs = decode.commit(state, verified, cfg, drafter)
     after = decode.draft(target, drafter, after, pairs, cfg)

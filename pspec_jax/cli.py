@@ -8,6 +8,7 @@ compiles for the next run (`keep_compiled_programs`).
 """
 
 import contextlib
+import os
 import sys
 import time
 
@@ -42,15 +43,17 @@ def _parse(argv):
 
 
 def keep_compiled_programs(max_bytes: int = 4 << 30) -> None:
-  """Compiled programs are kept under `pspec_jax.cache_dir("xla")` (up to `max_bytes`, least
-  recently used dropped first), so a second run, or a training run resumed after preemption,
-  skips compiling them again. A cache the user set (`JAX_COMPILATION_CACHE_DIR`) is kept."""
+  """Compiled programs are kept under `pspec_jax.cache_dir("xla")` (up to `max_bytes`, or
+  `JAX_COMPILATION_CACHE_MAX_SIZE`; least recently used dropped first), so a second run skips
+  compiling them again. A cache directory the user set (`JAX_COMPILATION_CACHE_DIR`) is used
+  as it is; `JAX_ENABLE_COMPILATION_CACHE=false` turns caching off."""
   import jax
 
   if jax.config.jax_compilation_cache_dir:
     return
   jax.config.update("jax_compilation_cache_dir", pspec_jax.cache_dir("xla"))
-  jax.config.update("jax_compilation_cache_max_size", max_bytes)
+  if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ:
+    jax.config.update("jax_compilation_cache_max_size", max_bytes)
 
 
 def run(main, define_flags) -> None:

@@ -54,15 +54,26 @@ def test_an_unknown_config_key_is_one_clear_line(name, args):
   assert out.stderr.strip() == "error: unknown config key 'nope'", out.stderr
 
 
-def test_a_program_keeps_what_it_compiled_for_the_next_run(tmp_path):
+def _cpu_env(**changes):
   env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-  command = [sys.executable, "-m", "infer.generate", "--prompt=Hi", "--max_new_tokens=2"]
+  return dict(env, JAX_PLATFORMS="cpu", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", **changes)
+
+
+def test_a_program_keeps_what_it_compiled_for_the_next_run(tmp_path):
   out = subprocess.run(
-    command,
+    [sys.executable, "-m", "infer.generate", "--prompt=Hi", "--max_new_tokens=2"],
     capture_output=True,
     text=True,
-    env=dict(env, JAX_PLATFORMS="cpu", PSPEC_JAX_CACHE=str(tmp_path)),
+    env=_cpu_env(PSPEC_JAX_CACHE=str(tmp_path)),
     check=False,
   )
   assert out.returncode == 0, out.stderr[-3000:]
-  assert os.listdir(tmp_path / "xla")  # the decoding programs
+  assert any(name.startswith("jit__generate") for name in os.listdir(tmp_path / "xla"))
+
+
+def test_a_compilation_cache_the_user_set_is_used_as_it_is(tmp_path):
+  program = "from pspec_jax import cli; cli.keep_compiled_programs(); import jax; jax.jit(abs)(1.0)"
+  env = _cpu_env(PSPEC_JAX_CACHE=str(tmp_path / "ours"), JAX_COMPILATION_CACHE_DIR=str(tmp_path))
+  subprocess.run([sys.executable, "-c", program], env=env, check=True)
+  assert any(name.endswith("-cache") for name in os.listdir(tmp_path))
+  assert not (tmp_path / "ours").exists()

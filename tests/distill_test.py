@@ -156,7 +156,11 @@ def test_selfdistill_writes_resumable_shards(tmp_path, smollm2):
     assert turns[-2]["from"] == "user" and turns[-1]["from"] == "gpt" and turns[-1]["value"]
   # Batches are formed by prompt length (shard 0's two prompts swap places), yet every record
   # holds its own prompt's greedy answer.
-  assert [r["conversations"][-1]["value"] for r in records] == _greedy_answers(smollm2, records)
+  prompts = [_prompt_ids(smollm2[1], r) for r in records]
+  assert len(prompts[0]) > len(prompts[1])
+  answers = [r["conversations"][-1]["value"] for r in records]
+  assert answers[0] != answers[1]
+  assert answers == _greedy_answers(smollm2, prompts[:2]) + _greedy_answers(smollm2, prompts[2:])
   # A missing shard, and one shorter than the config asks for (as after raising
   # num_conversations), are answered again; greedy, so with the same answers.
   written = [(out / name).read_text() for name in shards]
@@ -167,18 +171,19 @@ def test_selfdistill_writes_resumable_shards(tmp_path, smollm2):
   assert [(out / name).read_text() for name in shards] == written
 
 
-def _greedy_answers(smollm2, records, max_new_tokens=8):
-  """The target's greedy answer to each record's prompt, decoded in one batch."""
+def _prompt_ids(tokenizer, record):
+  turns = [{"role": t["from"], "content": t["value"]} for t in record["conversations"][:-1]]
+  text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+  return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def _greedy_answers(smollm2, prompts, max_new_tokens=8):
+  """The target's greedy answers to `prompts`, decoded in one batch (as one shard is)."""
   import jax
 
   from pspec_jax import checkpoints, data, decode
 
   target, tokenizer = smollm2
-  prompts = []
-  for r in records:
-    turns = [{"role": t["from"], "content": t["value"]} for t in r["conversations"][:-1]]
-    text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
-    prompts.append(tokenizer(text, add_special_tokens=False).input_ids)
   cfg = decode.DecodeConfig(
     max_new_tokens=max_new_tokens,
     eos_ids=checkpoints.eos_token_ids("smollm2-135m-instruct", tokenizer),
@@ -187,7 +192,7 @@ def _greedy_answers(smollm2, records, max_new_tokens=8):
   out = decode.generate(target, *data.pad_batch(prompts), jax.random.key(0), cfg)
   return [
     tokenizer.decode(out.tokens[row, : out.lengths[row]].tolist(), skip_special_tokens=True)
-    for row in range(len(records))
+    for row in range(len(prompts))
   ]
 
 

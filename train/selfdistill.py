@@ -67,7 +67,7 @@ def run(config) -> None:
   prompts = _prompts(config, tokenizer)
   os.makedirs(s.out, exist_ok=True)
   shards = [prompts[i : i + s.shard_size] for i in range(0, len(prompts), s.shard_size)]
-  todo = [i for i in range(len(shards)) if _records(_shard_path(s.out, i)) != len(shards[i])]
+  todo = [i for i in range(len(shards)) if _ids(_shard_path(s.out, i)) != [c[0] for c in shards[i]]]
   bar = tqdm(total=len(prompts), desc="self-distill", unit="conv")
   bar.update(sum(len(shards[i]) for i in range(len(shards)) if i not in todo))
   if not todo:
@@ -85,14 +85,16 @@ def run(config) -> None:
   for index in todo:
     shard = shards[index]
     answers = [None] * len(shard)
-    # Batches of similar prompt lengths, each padded to its own power-of-two width: less
-    # prefill and a shorter cache to attend over than one width for all (at most
-    # log2(max_prompt_tokens) compilations).
+    # Batches of similar prompt lengths, each padded to its own width (a power of two, at most
+    # max_prompt_tokens): less prefill and a shorter cache to attend over than one width for
+    # all, for a few compilations.
     by_length = sorted(range(len(shard)), key=lambda i: len(shard[i][2]))
     for start in range(0, len(shard), s.batch_size):
       rows = by_length[start : start + s.batch_size]
-      tokens, lengths = data.pad_batch([shard[i][2] for i in rows])
-      tokens = np.pad(tokens, ((0, s.batch_size - len(rows)), (0, 0)))
+      tokens, lengths = data.pad_batch(
+        [shard[i][2] for i in rows], cfg.pad_id, max_width=s.max_prompt_tokens
+      )
+      tokens = np.pad(tokens, ((0, s.batch_size - len(rows)), (0, 0)), constant_values=cfg.pad_id)
       lengths = np.pad(lengths, (0, s.batch_size - len(rows)), constant_values=1)
       batch_key = jax.random.fold_in(key, index * s.shard_size + start)
       out = jax.device_get(decode.generate(target, tokens, lengths, batch_key, cfg, drafter))
@@ -115,13 +117,14 @@ def run(config) -> None:
   bar.close()
 
 
-def _records(path: str) -> int:
-  """Records in a written shard; 0 if none. A shorter shard than the config asks for (the last
-  one, after `num_conversations` was raised) is answered again in full."""
+def _ids(path: str) -> list[str]:
+  """The conversation ids a written shard holds (none if it is missing). A shard whose ids
+  differ from what the config asks for (the last one, after `num_conversations` was raised,
+  or another source) is answered again."""
   if not os.path.exists(path):
-    return 0
+    return []
   with open(path) as fh:
-    return sum(1 for _ in fh)
+    return [json.loads(line)["id"] for line in fh]
 
 
 def _shard_path(out: str, index: int) -> str:
