@@ -154,7 +154,11 @@ def _constrain_state(state: "DecodeState", cfg: DecodeConfig) -> "DecodeState":
   def cache(c):
     if c is None:
       return None
-    return c.replace(k=_constrain(c.k, CACHE_AXES, cfg), v=_constrain(c.v, CACHE_AXES, cfg))
+
+    def place(x):  # a per-layer buffer has no "layers" axis
+      return _constrain(x, CACHE_AXES[-x.ndim :], cfg)
+
+    return c.replace(k=jax.tree.map(place, c.k), v=jax.tree.map(place, c.v))
 
   return state.replace(
     cache=cache(state.cache),

@@ -158,7 +158,7 @@ class FeatureDrafter(nn.Module):
 
   def __call__(self, x_BTD, positions_BT, mask_BTT, cache: KVCache):
     """g_BTD (normed: the LM-head input) and the new keys/values [1, B, T, K, H]."""
-    layer_kv = (cache.k[0], cache.v[0])
+    layer_kv = cache.layer(0)
     mask_BTT = jnp.broadcast_to(mask_BTT, (x_BTD.shape[0], *mask_BTT.shape[-2:]))
     x_BTD, (k, v) = self.block(x_BTD, layer_kv, positions_BT, mask_BTT, cache.lengths)
     return self.norm(x_BTD), (k[None], v[None])

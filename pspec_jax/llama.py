@@ -64,9 +64,10 @@ class LlamaConfig:
   tie_embeddings: bool = False
   max_position_embeddings: int = 4096
   # True: layers under nn.scan, parameters stacked on a leading axis (fast compilation of deep
-  # models; training). False: a loop over per-layer parameters `layers_{i}`. Decoding on CPU
-  # wants False: XLA copies each scanned layer's weight slice, which tripled the cost of a
-  # batch-1 decode step of SmolLM2 (a memory-bound matvec) in our measurements.
+  # models; training). False: a loop over per-layer parameters `layers_{i}`, with one KV cache
+  # buffer per layer. Decoding on CPU wants False: XLA copies each scanned layer's weight
+  # slice, which tripled the cost of a batch-1 decode step of SmolLM2 (a memory-bound matvec)
+  # in our measurements; copies of a stacked cache's layers cost a third of a batch-32 step.
   scan_layers: bool = True
   dtype: Dtype = jnp.float32  # compute
   param_dtype: Dtype = jnp.float32  # storage
@@ -363,14 +364,14 @@ class Llama(nn.Module):
     mask_BTT = jnp.broadcast_to(mask_BTT, (b, t, t))
     x_BTD = jnp.take(self.embedding, tokens_BT, axis=0).astype(self.cfg.dtype)
     x_BTD = nn.with_logical_constraint(x_BTD, ("batch", "length", "embed"))
-    cache_kv = None if cache is None else (cache.k, cache.v)
     cache_len_B = None if cache is None else cache.lengths
     if self.cfg.scan_layers:
+      cache_kv = None if cache is None else cache.stacked()
       x_BTD, kv = self.layers(x_BTD, cache_kv, positions_BT, mask_BTT, cache_len_B)
     else:
       new_k, new_v = [], []
       for i, block in enumerate(self.layers):
-        layer_kv = None if cache_kv is None else (cache_kv[0][i], cache_kv[1][i])
+        layer_kv = None if cache is None else cache.layer(i)
         x_BTD, (k, v) = block(x_BTD, layer_kv, positions_BT, mask_BTT, cache_len_B)
         new_k.append(k)
         new_v.append(v)
@@ -446,6 +447,7 @@ class Target:
     return jnp.take(self.params["embedding"], tokens_BT, axis=0).astype(self.cfg.dtype)
 
   def empty_cache(self, batch: int, max_len: int) -> KVCache:
+    """A cache in the layout this target reads best: one buffer per layer unless scanned."""
     cfg = self.cfg
     return KVCache.zeros(
       num_layers=cfg.num_layers,
@@ -454,4 +456,5 @@ class Target:
       num_kv_heads=cfg.num_kv_heads,
       head_dim=cfg.head_dim,
       dtype=cfg.dtype,
+      per_layer=not cfg.scan_layers,
     )

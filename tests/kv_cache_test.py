@@ -31,12 +31,22 @@ def reference_write(k, v, lengths, k_new, v_new, advance):
   return k, v, lengths + advance
 
 
-def test_write_with_ragged_lengths_and_advances_matches_a_loop():
+def stacked(cache):
+  """Keys and values [L, B, S, K, H] of either layout, as numpy."""
+  return tuple(np.asarray(x) for x in cache.stacked())
+
+
+@pytest.mark.parametrize("per_layer", [True, False])
+def test_write_with_ragged_lengths_and_advances_matches_a_loop(per_layer):
   rng = np.random.default_rng(0)
   shape = (2, 4, 12, 2, 3)  # L, B, S, K, H
   k = rng.normal(size=shape).astype(np.float32)
   v = rng.normal(size=shape).astype(np.float32)
-  cache = KVCache(k=jnp.asarray(k), v=jnp.asarray(v), lengths=jnp.asarray([0, 3, 7, 1], jnp.int32))
+  layout = tuple if per_layer else jnp.asarray
+  cache = KVCache(
+    k=layout(jnp.asarray(k)), v=layout(jnp.asarray(v)), lengths=jnp.asarray([0, 3, 7, 1], jnp.int32)
+  )
+  assert cache.per_layer == per_layer and cache.max_len == 12
   lengths = np.asarray(cache.lengths)
   write = jax.jit(lambda c, kv, a: c.write(kv, a))
   # Advances of 0 (an idle sequence), partial and full; T changes between writes.
@@ -46,8 +56,8 @@ def test_write_with_ragged_lengths_and_advances_matches_a_loop():
     advance = np.asarray(advance, np.int32)
     cache = write(cache, (jnp.asarray(k_new), jnp.asarray(v_new)), jnp.asarray(advance))
     k, v, lengths = reference_write(k, v, lengths, k_new, v_new, advance)
-    np.testing.assert_array_equal(cache.k, k)
-    np.testing.assert_array_equal(cache.v, v)
+    np.testing.assert_array_equal(stacked(cache)[0], k)
+    np.testing.assert_array_equal(stacked(cache)[1], v)
     np.testing.assert_array_equal(cache.lengths, lengths)
   assert lengths.tolist() == [7, 6, 9, 8]
 
@@ -58,8 +68,9 @@ def test_write_casts_to_the_cache_dtype():
   )
   new = jnp.full((1, 2, 1, 1, 2), 1.0 / 3.0, jnp.float32)
   cache = cache.write((new, new), jnp.asarray([1, 0]))
-  assert cache.k.dtype == jnp.bfloat16
-  assert float(cache.k[0, 1, 0, 0, 0]) == float(jnp.bfloat16(1.0 / 3.0))
+  (k,) = cache.k  # one buffer per layer
+  assert k.dtype == jnp.bfloat16
+  assert float(k[1, 0, 0, 0]) == float(jnp.bfloat16(1.0 / 3.0))
   assert cache.lengths.tolist() == [1, 0]
 
 
@@ -120,8 +131,8 @@ def test_speculative_cache_equals_plain_decoding_cache(final_states, kind):
     # Bonus included: the token after the cached ones is known too.
     np.testing.assert_array_equal(spec.tokens[b, : n + 1], plain.tokens[b, : n + 1])
     # Different pass shapes (tree of 8 vs one token) round differently: close, not bit-equal.
-    np.testing.assert_allclose(spec.cache.k[:, b, :n], plain.cache.k[:, b, :n], atol=1e-4)
-    np.testing.assert_allclose(spec.cache.v[:, b, :n], plain.cache.v[:, b, :n], atol=1e-4)
+    for got, want in zip(stacked(spec.cache), stacked(plain.cache), strict=True):
+      np.testing.assert_allclose(got[:, b, :n], want[:, b, :n], atol=1e-4)
 
 
 def known_tokens(state):
@@ -138,8 +149,8 @@ def test_cache_equals_one_uncached_forward_of_the_final_sequence(target, final_s
   # Causal, so the zeros after a sequence never reach its own positions.
   _, (k, v) = target(tokens, jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape))
   for b, n in enumerate(lengths):
-    np.testing.assert_allclose(state.cache.k[:, b, :n], k[:, b, :n], atol=1e-4)
-    np.testing.assert_allclose(state.cache.v[:, b, :n], v[:, b, :n], atol=1e-4)
+    for got, want in zip(stacked(state.cache), (k, v), strict=True):
+      np.testing.assert_allclose(got[:, b, :n], want[:, b, :n], atol=1e-4)
 
 
 def test_drafter_cache_equals_one_pass_over_all_pairs(target, final_states):
@@ -155,8 +166,8 @@ def test_drafter_cache_equals_one_pass_over_all_pairs(target, final_states):
   causal = jnp.tril(jnp.ones((width, width), jnp.bool_))[None]
   _, (k, v) = drafter.apply(u, positions, causal, drafter.empty_cache(len(lengths), 1))
   for b, n in enumerate(lengths):
-    np.testing.assert_allclose(state.drafter_cache.k[:, b, :n], k[:, b, :n], atol=1e-4)
-    np.testing.assert_allclose(state.drafter_cache.v[:, b, :n], v[:, b, :n], atol=1e-4)
+    for got, want in zip(stacked(state.drafter_cache), (k, v), strict=True):
+      np.testing.assert_allclose(got[:, b, :n], want[:, b, :n], atol=1e-4)
 
 
 # --- decode.commit on a hand-built round -----------------------------------------------------

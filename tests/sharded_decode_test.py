@@ -54,5 +54,7 @@ def test_sharded_greedy_decoding_gives_the_single_device_tokens(target, mesh_sha
   )
   data = "data" if mesh_shape["data"] > 1 else None
   heads = "tensor" if WIDE.num_kv_heads % mesh_shape["tensor"] == 0 else None
-  expected = NamedSharding(mesh, PartitionSpec(None, data, None, heads, None))
-  assert state.cache.k.sharding.is_equivalent_to(expected, 5)
+  spec = (None, data, None, heads, None)  # layers, batch, slots, kv heads, head dim
+  for x in jax.tree.leaves((state.cache.k, state.cache.v)):  # per layer, or stacked
+    expected = NamedSharding(mesh, PartitionSpec(*spec[-x.ndim :]))
+    assert x.sharding.is_equivalent_to(expected, x.ndim)
