@@ -36,18 +36,14 @@ def acceptance_rates(target, drafter, prompts, cfg, batch_size):
   import numpy as np
 
   from pspec_jax import data, decode
-  from pspec_jax.accept import accept
 
   pool = decode.pool_tree(cfg, drafter)
 
   @jax.jit
   def calibration_round(state):
-    # decode.round_step's three steps, keeping the path that commit accepts (its key too).
+    # decode.round_step's three steps, keeping the path that commit accepts.
     verified = decode.verify(target, state, cfg, drafter)
-    key = jax.random.fold_in(state.key, state.step + 1)
-    path_BP1, num_accepted_B, _ = accept(
-      verified.logits, verified.node_tokens, verified.tree, pool.depth, key, cfg.sampling
-    )
+    path_BP1, num_accepted_B, _ = decode.accept_path(state, verified, cfg, drafter)
     after, pairs = decode.commit(state, verified, cfg, drafter)
     after = decode.draft(target, drafter, after, pairs, cfg)
     # Count what the round kept, as decoding's own statistics do: the accepted path, cut at an

@@ -250,6 +250,19 @@ def verify(target: Target, state: DecodeState, cfg: DecodeConfig, drafter=None) 
   )
 
 
+def accept_path(state: DecodeState, verified: Verified, cfg: DecodeConfig, drafter=None):
+  """Step 3: every sequence's accepted path [B, P+1], drafts accepted [B] and bonus token [B],
+  with this round's key (the choice `commit` makes)."""
+  return accept(
+    verified.logits,
+    verified.node_tokens,
+    verified.tree,
+    pool_tree(cfg, drafter).depth,
+    jax.random.fold_in(state.key, state.step + 1),
+    cfg.sampling,
+  )
+
+
 def commit(
   state: DecodeState, verified: Verified, cfg: DecodeConfig, drafter=None
 ) -> tuple[DecodeState, Pairs]:
@@ -264,14 +277,7 @@ def commit(
   active = ~state.done
   n = state.cache.lengths
   step = state.step + 1
-  path, num_accepted, bonus = accept(
-    verified.logits,
-    verified.node_tokens,
-    verified.tree,
-    depth,
-    jax.random.fold_in(state.key, step),
-    cfg.sampling,
-  )
+  path, num_accepted, bonus = accept_path(state, verified, cfg, drafter)
   # New tokens x_{n+2}..: the accepted drafts below the root, then the bonus.
   drafts = take_rows(verified.node_tokens, path)[:, 1:]
   new = jnp.concatenate([drafts, jnp.zeros((batch, 1), jnp.int32)], axis=1)
