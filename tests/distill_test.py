@@ -78,6 +78,8 @@ def test_eval_only_scores_the_last_checkpoint(uninterrupted, tmp_path):
     text=True,
   )
   assert result.returncode == 0, result.stderr[-3000:]
+  # The coverage reported is that of the vocabulary the checkpoint drafts over.
+  assert "draft vocabulary: the checkpoint's 16384 tokens cover " in result.stdout
   (line,) = [x for x in result.stdout.splitlines() if x.startswith("held-out at step 6: ")]
   scores = json.loads(line.split(": ", 1)[1])
   assert set(scores) >= {"loss", "agree_per_depth/d1", "agree_per_depth/d4"}

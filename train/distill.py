@@ -133,14 +133,6 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
   vocab = None
   if cfg.drafter.draft_vocab_size:
     vocab = data.frequent_tokens(loaded["train"], cfg.drafter.draft_vocab_size)
-    coverage = {s: data.coverage(loaded[s], vocab) for s in loaded}
-    if main:
-      print(
-        f"draft vocabulary: the {len(vocab)} most frequent trained tokens cover "
-        f"{coverage['train']:.1%} of the training and {coverage['heldout']:.1%} of the "
-        "held-out answers",
-        flush=True,
-      )
   state = step_lib.jit_init(cfg, place)(jax.random.fold_in(key, 1), vocab)
 
   manager = ocp.CheckpointManager(
@@ -167,6 +159,18 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
       position = restored.meta["data_position"]
       print(f"resumed from step {start} (data position {position})", flush=True)
   first = int(state.step)
+  if cfg.drafter.draft_vocab_size:
+    # The vocabulary in use: a resumed run keeps its checkpoint's, chosen from the data it
+    # started on, even if the data has grown since.
+    vocab = multihost_utils.process_allgather(state.draft_vocab, tiled=True)
+    coverage = {s: data.coverage(loaded[s], vocab) for s in loaded}
+    if main:
+      which = "the checkpoint's" if first else "the most frequent trained"
+      print(
+        f"draft vocabulary: {which} {len(vocab)} tokens cover {coverage['train']:.1%} of "
+        f"the training and {coverage['heldout']:.1%} of the held-out answers",
+        flush=True,
+      )
 
   def global_batch(split: str, index: int) -> dict:
     """Batch `index` of a split; each host contributes its slice of the global batch."""
