@@ -12,6 +12,7 @@ CLI_MODULES = {  # module: one flag only it defines
   "infer.bench": "--[no]dry_run",
   "infer.profile_round": "--repeats",
   "infer.tune_tree": "--pool",
+  "infer.agreement": "--answers",
   "train.distill": "--[no]eval_only",
   "train.selfdistill": "--config",
 }
