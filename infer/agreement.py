@@ -4,18 +4,19 @@ r"""How often a drafter's first draft token is the target's: token by token, and
   python -m infer.agreement --answers=answers.jsonl                 # the shipped pspec drafter
   python -m infer.agreement --answers=answers.jsonl --method=eagle
 
-`--answers` holds the target's greedy answers as `infer.generate --json` writes them (temperature
-0, any --method: all give the same tokens). Over each answer the drafter runs teacher-forced, in
+`--answers` holds the target's greedy answers as `infer.generate --json` writes them, with the
+same target and chat setting as here (temperature 0, any --method: on a float32 target they
+are plain decoding's tokens). Over each answer the drafter runs teacher-forced, in
 the training layout (which the decoder's proposals are tested to equal), and the program prints:
 - per-token agreement: how often the drafter's depth-1 guess is the target's token;
 - the same for single-token drafting (tree `paths:0`) round by round, replayed from those
   agreements: a hit moves the next round two tokens on, a miss one. Agreement that comes in
   runs makes rounds skip easy tokens, so per-round acceptance falls below per-token agreement;
 - agreement after a hit and after a miss;
-- the share of tokens whose 4-gram repeats earlier in the answer (loops, which are easy to
-  predict), and agreement on those tokens and on the others.
-Held-out agreement in `train.distill` counts every token of its data; this counts what decoding
-sees on the prompts you give.
+- the share of tokens in a repetition loop (the 3 tokens before them occurred earlier in the
+  answer), and agreement there and elsewhere.
+Held-out agreement in `train.distill` counts every answer token of its data; this counts what
+decoding sees on the prompts you give.
 """
 
 import json
@@ -29,61 +30,49 @@ FLAGS = flags.FLAGS
 
 
 def depth1_agreement(target, drafter, prompt: list[int], answer: list[int]) -> np.ndarray:
-  """[len(answer) - 1] bool: whether the drafter's depth-1 guess for answer token j (j >= 1)
-  is that token. Answer token 0 comes from the prompt's pass, with nothing drafted for it.
+  """Whether the drafter's depth-1 guess for each answer token after the first is that token.
 
-  Pair a = (f_a, x_{a+1}) guesses x_{a+2} (medusa: its first head on f_a), so the guess for
-  answer token j comes from pair a = len(prompt) + j - 2.
+  Args:
+    target, drafter: the target and a pspec, eagle or medusa drafter (`with_head` done).
+    prompt, answer: token ids; the answer is the target's greedy continuation of the prompt.
+
+  Returns:
+    [len(answer) - 1] bool; entry j - 1 is answer token j. Token 0 comes from the prompt's
+    pass, with nothing drafted for it; token j is guessed by pair len(prompt) + j - 2.
   """
   import jax.numpy as jnp
 
   from pspec_jax import losses
-  from pspec_jax.drafter import FeatureDrafter
 
-  seq = jnp.asarray([prompt + answer], jnp.int32)
-  segments = jnp.ones_like(seq)
-  positions, mask = losses.segment_positions(segments), losses.segment_mask(segments)
-  features, _ = target(seq, positions, None, mask)
-  if drafter.cfg.kind == "medusa":
-    g = drafter.apply(features[0])[:, 0]
-  else:
-    g, _ = drafter.apply(
-      target.embed(losses.shifted(seq, 1)),
-      features,
-      positions,
-      mask,
-      None,
-      method=FeatureDrafter.train_forward,
-    )
-    g = g[0]
-  guess = np.asarray(jnp.argmax(drafter.logits(target, g), -1))
-  if drafter.vocab is not None:
-    guess = np.asarray(drafter.vocab)[guess]
+  guess_S = np.asarray(losses.depth1_guesses(drafter, target, jnp.asarray([prompt + answer]))[0])
   p = len(prompt)
-  return guess[p - 1 : p + len(answer) - 2] == np.asarray(answer[1:])
+  return guess_S[p - 1 : p + len(answer) - 2] == np.asarray(answer[1:])
 
 
-def replay_rounds(agree: np.ndarray) -> tuple[int, int]:
-  """(rounds, accepted) of single-token drafting over an answer with these agreements."""
+def replay_rounds(agree_J: np.ndarray) -> tuple[int, int]:
+  """(rounds, accepted) of single-token drafting over an answer with these agreements.
+
+  A round keeps its draft when it is a hit, then the target's own token: it moves the next
+  round two tokens on, a miss one. As in `decode.commit`, a round at the answer's last token
+  (its EOS or the budget's end) keeps one token and counts no accepted draft.
+  """
   rounds = accepted = 0
   j = 0
-  while j < len(agree):
-    rounds += 1
-    accepted += bool(agree[j])
-    j += 2 if agree[j] else 1
+  while j < len(agree_J):
+    kept = min(1 + bool(agree_J[j]), len(agree_J) - j)
+    rounds, accepted, j = rounds + 1, accepted + kept - 1, j + kept
   return rounds, accepted
 
 
-def repeated_ngrams(answer: list[int], n: int = 4) -> np.ndarray:
-  """[len(answer) - 1] bool: whether the n-gram ending at answer token j (j >= 1) occurred
-  earlier in the answer."""
-  seen, out = set(), []
-  for j in range(len(answer)):
-    gram = tuple(answer[j - n + 1 : j + 1]) if j >= n - 1 else None
-    if j:
-      out.append(gram in seen)
-    if gram is not None:
-      seen.add(gram)
+def in_loop(answer: list[int], n: int = 3) -> np.ndarray:
+  """[len(answer) - 1] bool; entry j - 1: the n tokens before answer token j occurred earlier in
+  the answer, so copying what followed them (as prompt lookup does) offers a guess for token j.
+  Token j itself is not looked at, so a loop the target leaves counts as a loop."""
+  seen, out = set(), []  # n-grams already followed by a token of the answer
+  for j in range(1, len(answer)):
+    if j > n:
+      seen.add(tuple(answer[j - n - 1 : j - 1]))  # ends at token j - 2, followed by j - 1
+    out.append(j >= n and tuple(answer[j - n : j]) in seen)
   return np.asarray(out, bool)
 
 
@@ -95,13 +84,19 @@ def _records(path: str) -> list[dict]:
         continue
       try:
         record = json.loads(line)
-        records.append(dict(prompt=str(record["prompt"]), tokens=list(record["tokens"])))
+        prompt, tokens = record["prompt"], record["tokens"]
+        if not isinstance(prompt, str) or not prompt or not isinstance(tokens, list):
+          raise TypeError
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
+          raise TypeError
       except (ValueError, KeyError, TypeError):
         raise ValueError(
-          f"{path}:{number} is not an `infer.generate --json` record (prompt, tokens)"
+          f"{path}:{number} is not an `infer.generate --json` record (a prompt and its token ids)"
         ) from None
+      if len(tokens) >= 2:  # one token has nothing drafted for it
+        records.append(dict(prompt=prompt, tokens=tokens))
   if not records:
-    raise ValueError(f"{path} holds no answers")
+    raise ValueError(f"{path} holds no answer of 2 or more tokens")
   return records
 
 
@@ -121,25 +116,26 @@ def run() -> None:
   chat = FLAGS.chat if FLAGS.chat is not None else tokenizer.chat_template is not None
   target = checkpoints.load_target(FLAGS.target, scan_layers=False)
   drafter = drafter_files.resolve_drafter(FLAGS.method, FLAGS.drafter, target).with_head(target)
-  agree, repeats, rounds, accepted = [], [], 0, 0
+  agree, loops, rounds, accepted = [], [], 0, 0
   for record in records:
+    if max(record["tokens"]) >= target.cfg.vocab_size:
+      raise ValueError(f"{FLAGS.answers}: token ids past the target's vocabulary")
     prompt = data.encode_prompt(tokenizer, record["prompt"], chat)
-    a = depth1_agreement(target, drafter, prompt, record["tokens"])
-    r, acc = replay_rounds(a)
-    agree.append(a)
-    repeats.append(repeated_ngrams(record["tokens"]))
+    hits = depth1_agreement(target, drafter, prompt, record["tokens"])
+    r, acc = replay_rounds(hits)
+    agree.append(hits)
+    loops.append(in_loop(record["tokens"]))
     rounds, accepted = rounds + r, accepted + acc
-  a, rep = np.concatenate(agree), np.concatenate(repeats)
-  after = np.concatenate([x[1:] for x in agree]), np.concatenate([x[:-1] for x in agree])
+  hit, loop = np.concatenate(agree), np.concatenate(loops)
+  this = np.concatenate([x[1:] for x in agree])  # each token's agreement ...
+  before = np.concatenate([x[:-1] for x in agree])  # ... and the one before it
   rate = lambda x: f"{x.mean():.3f} ({x.size} tokens)" if x.size else "-"
   print(f"{FLAGS.method} drafter on {len(records)} answers ({FLAGS.answers})")
-  print(f"per-token depth-1 agreement: {rate(a)}")
+  print(f"per-token depth-1 agreement: {rate(hit)}")
   print(f"single-token drafting, replayed: {rounds} rounds, acceptance {accepted / rounds:.3f}")
-  print(
-    f"agreement after a hit: {rate(after[0][after[1]])}; after a miss: {rate(after[0][~after[1]])}"
-  )
-  print(f"tokens whose 4-gram repeats earlier in the answer: {rep.mean():.3f}")
-  print(f"agreement on them: {rate(a[rep])}; on the others: {rate(a[~rep])}")
+  print(f"agreement after a hit: {rate(this[before])}; after a miss: {rate(this[~before])}")
+  print(f"tokens in a loop (the 3 before them occurred earlier in the answer): {loop.mean():.3f}")
+  print(f"agreement in loops: {rate(hit[loop])}; elsewhere: {rate(hit[~loop])}")
 
 
 def define_flags():

@@ -284,3 +284,30 @@ def distill_rows(drafter, target, batch: dict, key, cfg: LossConfig):
   regression = smooth_l1(g_real, next_features)
   feature_loss = jnp.sum(regression * real_weight) / jnp.maximum(real_weight.sum(), 1.0)
   return Rows.concat(rows), feature_loss
+
+
+def depth1_guesses(drafter, target, tokens_BS: jax.Array) -> jax.Array:
+  """[B, S] token ids: the drafter's depth-1 guess of every pair, teacher-forced.
+
+  Pair a = (f_a, x_{a+1}) guesses x_{a+2} (medusa: its first head on f_a), in the layout that
+  `distill_rows` trains at depth 1 and decoding's proposals are tested to equal. Each row is one
+  sequence; its last two guesses look past its end.
+  """
+  from pspec_jax.drafter import FeatureDrafter
+
+  segments_BS = jnp.ones_like(tokens_BS)
+  positions, mask = segment_positions(segments_BS), segment_mask(segments_BS)
+  features_BSD, _ = target(tokens_BS, positions, None, mask)
+  if drafter.cfg.kind == "medusa":
+    b, s, d = features_BSD.shape
+    g_BSD = drafter.apply(features_BSD.reshape(b * s, d)).reshape(b, s, -1, d)[:, :, 0]
+  else:
+    g_BSD, _ = drafter.apply(
+      target.embed(shifted(tokens_BS, 1)),
+      features_BSD,
+      positions,
+      mask,
+      None,
+      method=FeatureDrafter.train_forward,
+    )
+  return drafter.token_ids(jnp.argmax(drafter.logits(target, g_BSD), -1))

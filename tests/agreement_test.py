@@ -15,35 +15,42 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_a_hit_moves_the_next_round_two_tokens_on_a_miss_one():
-  # rounds start at answer tokens 0 (hit), 2 (miss), 3 (hit), 5 (hit); 7 is past the end
+  # rounds start at agreement indices 0 (hit), 2 (miss), 3 (hit), 5 (hit); 7 is past the end
   assert agreement.replay_rounds(np.array([1, 0, 0, 1, 1, 1, 0], bool)) == (4, 3)
   assert agreement.replay_rounds(np.array([0, 0, 0], bool)) == (3, 0)
+  # a hit on the answer's last token keeps that token alone, as the decoder counts it
+  assert agreement.replay_rounds(np.array([1, 0, 1], bool)) == (2, 1)
   assert agreement.replay_rounds(np.array([], bool)) == (0, 0)
 
 
-def test_repeated_ngrams_marks_tokens_that_close_an_earlier_ngram():
-  answer = [1, 2, 3, 4, 1, 2, 3, 4, 5]
-  # aligned to answer[1:]: the 4-gram ending at token 7 ([1, 2, 3, 4]) is the first repeat
-  expected = [False] * 6 + [True, False]
-  np.testing.assert_array_equal(agreement.repeated_ngrams(answer), expected)
-  np.testing.assert_array_equal(agreement.repeated_ngrams(answer, n=1), [0, 0, 0, 1, 1, 1, 1, 0])
+def test_a_token_is_in_a_loop_when_the_tokens_before_it_occurred_earlier():
+  answer = [1, 2, 3, 4, 1, 2, 3, 9, 5]
+  # aligned to answer[1:]: tokens 7 and 8 follow (1, 2, 3) and (2, 3, 9); only (1, 2, 3) was
+  # seen before. Token 7 breaks the loop (9, not 4) and still counts as in it.
+  np.testing.assert_array_equal(agreement.in_loop(answer), [0, 0, 0, 0, 0, 0, 1, 0])
+  np.testing.assert_array_equal(agreement.in_loop(answer, n=1), [0, 0, 0, 0, 1, 1, 1, 0])
 
 
 @pytest.mark.parametrize("kind", ["pspec", "medusa"])
 def test_replayed_rounds_are_the_decoders(smollm2, kind):
   """Single-token drafting with the shipped drafter, replayed from teacher-forced agreement,
   takes exactly the decoder's rounds and accepts exactly its draft tokens."""
-  _, tokenizer = smollm2
-  target = checkpoints.load_target("smollm2-135m-instruct", scan_layers=False)
+  target, tokenizer = smollm2
   drafter = drafter_files.load_drafter(drafter_files.shipped_drafter(target.cfg.name, kind), target)
-  prompts = ["What is the capital of France? Answer in two sentences.", "Count from 1 to 20."]
-  cfg = decode.DecodeConfig(max_new_tokens=40, tree="paths:0", pad_id=tokenizer.pad_token_id)
+  # The first answer ends at EOS within the budget, the second runs to it.
+  prompts = ["What is 2 + 2? Answer with one number.", "Count from 1 to 50."]
+  eos = checkpoints.eos_token_ids(target.cfg.name, tokenizer)
+  cfg = decode.DecodeConfig(
+    max_new_tokens=40, tree="paths:0", eos_ids=eos, pad_id=tokenizer.pad_token_id
+  )
+  lengths_seen = []
   hits = []
   for text in prompts:
     prompt = data.encode_prompt(tokenizer, text, chat=True)
     tokens, lengths = data.pad_batch([prompt])
     out = jax.device_get(decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter))
     answer = np.asarray(out.tokens[0, : out.lengths[0]]).tolist()
+    lengths_seen.append((len(answer), answer[-1] in eos))
     agree = agreement.depth1_agreement(target, drafter.with_head(target), prompt, answer)
     assert agree.shape == (len(answer) - 1,)
     rounds, accepted = agreement.replay_rounds(agree)
@@ -51,6 +58,7 @@ def test_replayed_rounds_are_the_decoders(smollm2, kind):
     assert accepted == int(np.asarray(out.accepted_per_depth[0]).sum())
     hits.extend(agree)
   assert 0 < np.mean(hits) < 1  # both outcomes were replayed
+  assert lengths_seen[0][0] < 40 and lengths_seen[0][1] and lengths_seen[1][0] == 40
 
 
 def test_bad_answers_are_one_clear_line(tmp_path):
@@ -66,5 +74,5 @@ def test_bad_answers_are_one_clear_line(tmp_path):
   assert result.returncode != 0
   assert (
     result.stderr.strip()
-    == f"error: {bad}:1 is not an `infer.generate --json` record (prompt, tokens)"
+    == f"error: {bad}:1 is not an `infer.generate --json` record (a prompt and its token ids)"
   )

@@ -144,6 +144,8 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
     ),
   )
   start = manager.latest_step()
+  if eval_only and start is None:
+    raise ValueError(f"{workdir} has no checkpoint to evaluate")
   if start is not None:
     abstract = jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, place.state
@@ -165,9 +167,9 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
     vocab = multihost_utils.process_allgather(state.draft_vocab, tiled=True)
     coverage = {s: data.coverage(loaded[s], vocab) for s in loaded}
     if main:
-      which = "the checkpoint's" if first else "the most frequent trained"
+      which = "the checkpoint's {} tokens" if start is not None else "the {} most frequent tokens"
       print(
-        f"draft vocabulary: {which} {len(vocab)} tokens cover {coverage['train']:.1%} of "
+        f"draft vocabulary: {which.format(len(vocab))} cover {coverage['train']:.1%} of "
         f"the training and {coverage['heldout']:.1%} of the held-out answers",
         flush=True,
       )
@@ -201,8 +203,6 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
     return scalars
 
   if eval_only:
-    if start is None:
-      raise ValueError(f"{workdir} has no checkpoint to evaluate")
     scalars = evaluate(first)
     if main:
       print(f"held-out at step {first}: " + json.dumps(scalars), flush=True)
