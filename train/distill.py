@@ -162,9 +162,10 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
       print(f"resumed from step {start} (data position {position})", flush=True)
   first = int(state.step)
   if cfg.drafter.draft_vocab_size:
-    # The vocabulary in use: a resumed run keeps its checkpoint's, chosen from the data it
-    # started on, even if the data has grown since.
-    vocab = multihost_utils.process_allgather(state.draft_vocab, tiled=True)
+    if start is not None:
+      # A resumed run keeps its checkpoint's vocabulary, chosen from the data it started on,
+      # even if the data has grown since.
+      vocab = multihost_utils.process_allgather(state.draft_vocab, tiled=True)
     coverage = {s: data.coverage(loaded[s], vocab) for s in loaded}
     if main:
       which = "the checkpoint's {} tokens" if start is not None else "the {} most frequent tokens"
