@@ -191,11 +191,30 @@ def training_config(
   return c
 
 
+def platform(hardware: str) -> str:
+  """The JAX platform of a hardware preset: cpu, gpu or tpu."""
+  return "cpu" if hardware == "cpu" else "gpu" if hardware.startswith("gpu") else "tpu"
+
+
+def not_this_host(devices: int, platform_name: str) -> str | None:
+  """Why this host cannot compile programs for `devices` devices of `platform_name` (None
+  when it can): a compiled program's memory analysis is only meaningful on its hardware."""
+  import jax
+
+  have = jax.devices()
+  if (len(have), have[0].platform) == (devices, platform_name):
+    return None
+  return (
+    f"compiled memory analysis: not run here ({len(have)} {have[0].platform} device(s), the "
+    f"plan is for {devices} {platform_name}); run --dry_run on that hardware"
+  )
+
+
 def set_hardware(c: ml_collections.ConfigDict, name: str) -> None:
   if name not in HARDWARE:
     raise ValueError(f"unknown hardware {name!r}: use one of {', '.join(HARDWARE)}")
   devices, memory = HARDWARE[name]
-  c.hardware.update(name=name, devices=devices, memory_gib=memory)
+  c.hardware.update(name=name, devices=devices, memory_gib=memory, platform=platform(name))
 
 
 def smoke(c: ml_collections.ConfigDict) -> None:

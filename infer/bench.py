@@ -273,18 +273,28 @@ def dry_run(config) -> str:
   ks = _values(config.num_draft, int) or [0]
   k = max(ks) or 4
   drafters = [drafter_lib.DrafterConfig.for_target(kind, target, num_draft=k) for kind in kinds]
-  trees = [tree_lib.parse(t or "chain", k) for t in _values(config.tree, str)]
-  return plan.decode_memory_table(
-    target,
-    drafters,
+  specs = [t or "chain" for t in _values(config.tree, str)]
+  largest = max(specs, key=lambda t: tree_lib.parse(t, k).num_nodes)
+  largest_tree = tree_lib.parse(largest, k)
+  shape = dict(
     batch=max(_values(config.batch_size, int)),
     prompt_width=data.bucket(config.max_prompt_tokens),
     max_new_tokens=config.max_new_tokens,
-    tree_nodes=max(t.num_nodes for t in trees),
-    tree_depth=max(t.depth for t in trees),
-    hardware=config.hardware,
-    mesh=sharding.parse_mesh(config.mesh),
   )
+  mesh = sharding.parse_mesh(config.mesh)
+  table = plan.decode_memory_table(
+    target,
+    drafters,
+    **shape,
+    tree_nodes=largest_tree.num_nodes,
+    tree_depth=largest_tree.depth,
+    hardware=config.hardware,
+    mesh=mesh,
+  )
+  compiled = plan.compiled_decode_table(
+    target, drafters, hardware=config.hardware, mesh=mesh, tree=largest, **shape
+  )
+  return f"{table}\n{compiled}"
 
 
 def run(config, progress=True) -> dict:

@@ -3,13 +3,15 @@
 Parameters and caches are sized exactly from `jax.eval_shape` and the shardings the rules give
 on the mesh (an `AbstractMesh`: no device is needed, nothing is allocated); activations are an
 estimate (the largest of the prefill's one-layer working set and the verification logits).
+Where this host has the hardware's devices, `decode.generate`'s program is also compiled for
+the mesh on abstract arguments, and XLA's memory analysis of it is printed per method.
 """
 
 import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
-from configs.common import HARDWARE
+from configs.common import HARDWARE, not_this_host, platform
 from pspec_jax import decode, llama, sharding
 from pspec_jax import drafter as drafter_lib
 
@@ -85,4 +87,70 @@ def decode_memory_table(
   lines += [f"{name:34s} {b / GIB:9.3f}" for name, b in rows.items()]
   verdict = "fits" if total <= memory_gib * GIB else "does NOT fit"
   lines.append(f"{'total':34s} {total / GIB:9.3f}  {verdict} in {memory_gib:g} GiB")
+  return "\n".join(lines)
+
+
+def _abstract_params(init_params, init_boxed, cfg, mesh):
+  """Parameter shapes with their shardings on `mesh`: arguments to lower a program with."""
+  shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+  placed = sharding.param_shardings(init_boxed, cfg, mesh)
+  return jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, placed
+  )
+
+
+def compiled_decode_bytes(
+  target: llama.LlamaConfig,
+  drafter: drafter_lib.DrafterConfig | None,
+  *,
+  batch: int,
+  prompt_width: int,
+  max_new_tokens: int,
+  tree: str,
+  mesh,
+) -> dict[str, int]:
+  """Per-device bytes of `decode.generate` compiled for `mesh` (a concrete one), from XLA's
+  memory analysis; the KV caches live inside the program, so they count as temporaries."""
+  params = _abstract_params(llama.init_params, llama.init_boxed, target, mesh)
+  model = llama.Target(cfg=target, params=params)
+  draft = None
+  if drafter is not None:
+    draft_params = _abstract_params(drafter_lib.init_params, drafter_lib.init_boxed, drafter, mesh)
+    draft = drafter_lib.Drafter(cfg=drafter, params=draft_params)
+    params = (params, draft_params)
+  cfg = decode.DecodeConfig(max_new_tokens=max_new_tokens, tree=tree, mesh=mesh)
+  tokens = jax.ShapeDtypeStruct((batch, prompt_width), np.int32)
+  lengths = jax.ShapeDtypeStruct((batch,), np.int32)
+  compiled = decode.compile_generate(model, tokens, lengths, jax.random.key(0), cfg, draft)
+  stats = compiled.memory_analysis()
+  held = sum(
+    int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
+    for x in jax.tree.leaves(params)
+  )
+  return {
+    "parameters held": held,
+    "outputs": stats.output_size_in_bytes - stats.alias_size_in_bytes,
+    "temporaries (caches included)": stats.temp_size_in_bytes,
+  }
+
+
+def compiled_decode_table(
+  target, drafters, *, hardware: str, mesh: dict, tree: str, **shape
+) -> str:
+  """`compiled_decode_bytes` of plain decoding and of each drafter (on `tree`), one line each,
+  where this host has `hardware`'s devices; else one line says why not."""
+  devices, memory_gib = HARDWARE[hardware]
+  if reason := not_this_host(devices, platform(hardware)):
+    return reason
+  concrete = sharding.make_mesh(**mesh)
+  lines = [f"compiled decoding on {devices} {platform(hardware)} device(s), per device, GiB"]
+  for d in [None, *drafters]:
+    rows = compiled_decode_bytes(target, d, tree=tree if d else "", mesh=concrete, **shape)
+    total = sum(rows.values())
+    verdict = "fits" if total <= memory_gib * GIB else "does NOT fit"
+    lines.append(
+      f"{d.kind if d else 'none':8s} "
+      + ", ".join(f"{name} {b / GIB:.3f}" for name, b in rows.items())
+      + f"; total {total / GIB:.3f} {verdict} in {memory_gib:g} GiB"
+    )
   return "\n".join(lines)

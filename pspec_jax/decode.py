@@ -446,6 +446,19 @@ def generate(
   return _generate_jit(target, drafter, tokens, lengths, key, cfg)
 
 
+def compile_generate(
+  target: Target,
+  prompt_tokens,
+  prompt_lengths,
+  key: jax.Array,
+  cfg: DecodeConfig = DecodeConfig(),
+  drafter: Drafter | None = None,
+) -> jax.stages.Compiled:
+  """`generate`'s program compiled for these arguments, which may be abstract (shapes with
+  shardings): for its memory and cost analysis; nothing runs and nothing is allocated."""
+  return _generate_jit.lower(target, drafter, prompt_tokens, prompt_lengths, key, cfg).compile()
+
+
 def stream(
   target: Target,
   prompt_tokens: jax.Array,

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from infer import bench
@@ -240,7 +241,74 @@ def test_dry_run_plans_a_13b_target_without_its_weights(
   text = bench.dry_run(c)
   assert "13.016B parameters in bfloat16" in text
   assert "batch 8" in text and "trees of 16 nodes" in text
-  rows = dict(line.rsplit(None, 1) for line in text.splitlines()[3:-1])
+  *table, compiled = text.splitlines()
+  rows = dict(line.rsplit(None, 1) for line in table[3:-1])
   assert float(rows["target params"]) == pytest.approx(params_gib, rel=0.01)
   assert {"drafter params (pspec)", "target KV cache", "drafter KV cache (pspec)"} <= set(rows)
-  assert text.splitlines()[-1].endswith(verdict)
+  assert table[-1].endswith(verdict)
+  # These 8 CPU devices are not the plan's hardware: nothing is compiled for it.
+  devices = {"v4-32": 16, "gpu-80gb": 1, "v5e-16": 16}[hardware]
+  platform = "gpu" if hardware.startswith("gpu") else "tpu"
+  assert compiled == (
+    f"compiled memory analysis: not run here (8 cpu device(s), the plan is for {devices} "
+    f"{platform}); run --dry_run on that hardware"
+  )
+
+
+def test_dry_run_on_its_hardware_compiles_sharded_decoding(tmp_path, monkeypatch):
+  """Where the host has the plan's devices, decode.generate is compiled for the mesh on
+  abstract arguments and XLA's memory analysis is reported per method."""
+  from infer import plan
+  from pspec_jax import drafter as drafter_lib
+  from pspec_jax import llama, sharding
+  from tests.tiny_models import TINY
+
+  target = TINY.replace(scan_layers=False)
+  pspec = drafter_lib.DrafterConfig.for_target("pspec", target, num_draft=4)
+  mesh = sharding.make_mesh(data=2, tensor=4)
+
+  def compiled(drafter, batch, max_new_tokens):
+    return plan.compiled_decode_bytes(
+      target,
+      drafter,
+      batch=batch,
+      prompt_width=16,
+      max_new_tokens=max_new_tokens,
+      tree="sparse4",
+      mesh=mesh,
+    )
+
+  none, small, large = compiled(None, 2, 8), compiled(pspec, 2, 8), compiled(pspec, 8, 64)
+  exact = lambda init_params, init_boxed, cfg: sharding.bytes_per_device(
+    jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))),
+    sharding.param_shardings(init_boxed, cfg, mesh),
+  )
+  target_bytes = exact(llama.init_params, llama.init_boxed, target)
+  assert none["parameters held"] == target_bytes
+  assert small["parameters held"] == target_bytes + exact(
+    drafter_lib.init_params, drafter_lib.init_boxed, pspec
+  )
+  # The caches are made inside the program: they grow with batch and length.
+  assert 0 < none["temporaries (caches included)"] < small["temporaries (caches included)"]
+  assert small["temporaries (caches included)"] < large["temporaries (caches included)"]
+
+  # The table, on a host whose devices are the preset's (8 CPU devices here).
+  monkeypatch.setitem(plan.HARDWARE, "cpu", (8, 24.0))
+  (tmp_path / "config.json").write_text(
+    json.dumps(
+      dict(
+        LLAMA2_13B_CONFIG,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+      )
+    )
+  )
+  c = config(target=str(tmp_path), hardware="cpu", mesh="data=2,tensor=4", methods="none,pspec")
+  lines = bench.dry_run(c).splitlines()
+  at = lines.index("compiled decoding on 8 cpu device(s), per device, GiB")
+  assert [line.split()[0] for line in lines[at + 1 :]] == ["none", "pspec"]
+  assert all(line.endswith("fits in 24 GiB") for line in lines[at + 1 :])

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec
 
 from configs import common
 from pspec_jax import drafter as drafter_lib
-from pspec_jax import llama
+from pspec_jax import llama, sharding
 from train import distill, plan
 from train import step as step_lib
 
@@ -60,13 +60,13 @@ def test_shardings_on_the_intended_mesh_split_every_large_array(name, hardware):
   place = step_lib.placement(cfg, mesh)
   key = jax.random.key(0)
   target = jax.eval_shape(lambda: llama.init_params(cfg.target, key))
-  for x, sharding in zip(jax.tree.leaves(target), jax.tree.leaves(place.target), strict=True):
-    shard = sharding.shard_shape(x.shape)  # raises if the spec does not divide the shape
+  for x, placed in zip(jax.tree.leaves(target), jax.tree.leaves(place.target), strict=True):
+    shard = placed.shard_shape(x.shape)  # raises if the spec does not divide the shape
     if x.size > 1e6:
-      assert np.prod(shard) * 16 == x.size, (x.shape, sharding.spec)
+      assert np.prod(shard) * 16 == x.size, (x.shape, placed.spec)
   params = jax.eval_shape(lambda: drafter_lib.init_params(cfg.drafter, key))
-  for x, sharding in zip(jax.tree.leaves(params), jax.tree.leaves(place.state.params), strict=True):
-    sharding.shard_shape(x.shape)
+  for x, placed in zip(jax.tree.leaves(params), jax.tree.leaves(place.state.params), strict=True):
+    placed.shard_shape(x.shape)
   assert place.batch["tokens"].spec == PartitionSpec(("data", "fsdp"), None)
 
 
@@ -91,9 +91,57 @@ def test_dry_run_prints_the_memory_plan_without_allocating(variant):
   target_gib = float(next(line for line in out.splitlines() if "target params" in line).split()[-1])
   assert target_gib == pytest.approx(13.016e9 * 2 / devices / 2**30, rel=0.01)  # bf16
   # Each preset splits the batch into as many microbatches as it needs to fit.
-  assert "does NOT fit" not in out and out.strip().splitlines()[-1].endswith(
+  assert "does NOT fit" not in out
+  assert next(line for line in out.splitlines() if line.startswith("total")).endswith(
     f"fits in {memory:g} GiB"
   )
+  # A CPU is not the plan's hardware: the program is not compiled for it.
+  platform = "gpu" if variant.startswith("gpu") else "tpu"
+  assert out.strip().splitlines()[-1] == (
+    f"compiled memory analysis: not run here (1 cpu device(s), the plan is for {devices} "
+    f"{platform}); run --dry_run on that hardware"
+  )
+
+
+def _tiny_sharded_config(cached_features: bool):
+  config = _load("smollm2_135m", "smoke")
+  config.target.arch.update(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4)
+  config.target.arch.update(num_kv_heads=2, vocab_size=512)
+  config.drafter.draft_vocab_size = 256
+  config.hardware.update(devices=8, memory_gib=0.05)
+  config.train.batch_size = 8
+  config.mesh.update(data=2, fsdp=2, tensor=2)
+  config.data.cache_features = cached_features
+  return config
+
+
+def test_dry_run_on_the_plans_hardware_compiles_the_sharded_step():
+  """On a host with the configured devices (here the 8 fake ones), the dry run compiles the
+  train step for the mesh and adds XLA's per-device memory analysis to the plan."""
+  config = _tiny_sharded_config(cached_features=False)
+  cfg = distill.step_config(config)
+  lines = plan.compiled_memory(config, cfg).splitlines()
+  assert lines[0] == "compiled train step on 8 cpu device(s), per device"
+  rows = {line[:34].strip(): line[34:].split() for line in lines[1:]}
+  assert list(rows) == [
+    "arrays held (params, state, batch)",
+    "outputs not aliasing arguments",
+    "temporaries",
+    "total",
+  ]
+  assert rows["total"][1:] == ["fits", "in", "0.05", "GiB"]
+
+  mesh = sharding.make_mesh(**config.mesh.to_dict())
+  plain = plan.compiled_bytes(config, cfg, mesh)
+  assert plain["arrays held (params, state, batch)"] == sum(
+    plan.held_bytes(config, cfg, plan.abstract_mesh(config)).values()
+  )
+  assert plain["outputs not aliasing arguments"] < 1024  # the state is donated: metrics only
+  config = _tiny_sharded_config(cached_features=True)
+  cached = plan.compiled_bytes(config, distill.step_config(config), mesh)
+  # Features in the batch: no target forward pass, a larger batch.
+  assert 0 < cached["temporaries"] < plain["temporaries"]
+  assert cached["arrays held (params, state, batch)"] > plain["arrays held (params, state, batch)"]
 
 
 @pytest.mark.parametrize(

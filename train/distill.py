@@ -284,7 +284,9 @@ def dry_run(config) -> None:
   """Prints per-device bytes of everything a train step holds, for the configured mesh."""
   from train import plan
 
-  print(plan.memory_table(config, step_config(config)))
+  cfg = step_config(config)
+  print(plan.memory_table(config, cfg), flush=True)
+  print(plan.compiled_memory(config, cfg))
 
 
 def main():

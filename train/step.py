@@ -78,6 +78,19 @@ def batch_keys(cfg: StepConfig) -> tuple[str, ...]:
   return BATCH_KEYS + ((FEATURES_KEY,) if cfg.cached_features else ())
 
 
+def abstract_batch(cfg: StepConfig, batch_size: int, seq_len: int) -> dict:
+  """Shapes and dtypes of a batch, as `data.TokenData.batch` gives it."""
+  shape = (batch_size, seq_len)
+  batch = {
+    "tokens": jax.ShapeDtypeStruct(shape, jnp.int32),
+    "loss_mask": jax.ShapeDtypeStruct(shape, jnp.bool_),
+    "segments": jax.ShapeDtypeStruct(shape, jnp.int32),
+  }
+  if cfg.cached_features:
+    batch[FEATURES_KEY] = jax.ShapeDtypeStruct((*shape, cfg.target.hidden_size), jnp.float32)
+  return batch
+
+
 def init_state(cfg: StepConfig, params, draft_vocab=None) -> TrainState:
   """A fresh state; `draft_vocab` is required when the drafter has a restricted vocabulary."""
   if (draft_vocab is None) != (cfg.drafter.draft_vocab_size == 0):
