@@ -94,10 +94,24 @@ def _records(path: str) -> list[dict]:
           f"{path}:{number} is not an `infer.generate --json` record (a prompt and its token ids)"
         ) from None
       if len(tokens) >= 2:  # one token has nothing drafted for it
-        records.append(dict(prompt=prompt, tokens=tokens))
+        records.append(record)
   if not records:
     raise ValueError(f"{path} holds no answer of 2 or more tokens")
   return records
+
+
+def check_settings(records: list[dict], path: str, target: str, chat: bool) -> None:
+  """The answers must be this target's greedy ones, prompted as these flags prompt it (records
+  from before `infer.generate` wrote its settings are taken on trust)."""
+  for record in records:
+    if record.get("temperature", 0.0) != 0.0:
+      raise ValueError(f"{path}: answers sampled at T = {record['temperature']}; give T = 0 ones")
+    if record.get("target", target) != target:
+      raise ValueError(f"{path}: answers of {record['target']}, but --target is {target}")
+    if record.get("chat", chat) != chat:
+      raise ValueError(
+        f"{path}: answers generated with chat={record['chat']}; pass --chat={record['chat']}"
+      )
 
 
 def run() -> None:
@@ -114,6 +128,7 @@ def run() -> None:
   )
   tokenizer = checkpoints.load_tokenizer(FLAGS.target)
   chat = FLAGS.chat if FLAGS.chat is not None else tokenizer.chat_template is not None
+  check_settings(records, FLAGS.answers, checkpoints.load_target_config(FLAGS.target).name, chat)
   target = checkpoints.load_target(FLAGS.target, scan_layers=False)
   drafter = drafter_files.resolve_drafter(FLAGS.method, FLAGS.drafter, target).with_head(target)
   agree, loops, rounds, accepted = [], [], 0, 0

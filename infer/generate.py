@@ -105,6 +105,9 @@ def run() -> None:
       if FLAGS.json:
         record = dict(
           prompt=prompt,
+          target=target.cfg.name,
+          chat=chat,
+          temperature=FLAGS.temperature,
           text=text,
           tokens=ids,
           num_tokens=len(ids),

@@ -31,7 +31,7 @@ def test_a_token_is_in_a_loop_when_the_tokens_before_it_occurred_earlier():
   np.testing.assert_array_equal(agreement.in_loop(answer, n=1), [0, 0, 0, 0, 1, 1, 1, 0])
 
 
-@pytest.mark.parametrize("kind", ["pspec", "medusa"])
+@pytest.mark.parametrize("kind", ["pspec", "eagle", "medusa"])
 def test_replayed_rounds_are_the_decoders(smollm2, kind):
   """Single-token drafting with the shipped drafter, replayed from teacher-forced agreement,
   takes exactly the decoder's rounds and accepts exactly its draft tokens."""
@@ -76,3 +76,21 @@ def test_bad_answers_are_one_clear_line(tmp_path):
     result.stderr.strip()
     == f"error: {bad}:1 is not an `infer.generate --json` record (a prompt and its token ids)"
   )
+
+
+def test_answers_of_other_settings_are_refused():
+  record = dict(prompt="hi", tokens=[1, 2], target="smollm2-135m-instruct", chat=True)
+  agreement.check_settings([record], "a.jsonl", "smollm2-135m-instruct", True)
+  agreement.check_settings([dict(prompt="hi", tokens=[1, 2])], "a.jsonl", "other", False)
+  cases = [
+    (dict(record, temperature=0.7), "a.jsonl: answers sampled at T = 0.7; give T = 0 ones"),
+    (
+      dict(record, target="tiny"),
+      "a.jsonl: answers of tiny, but --target is smollm2-135m-instruct",
+    ),
+    (dict(record, chat=False), "a.jsonl: answers generated with chat=False; pass --chat=False"),
+  ]
+  for bad, message in cases:
+    with pytest.raises(ValueError) as error:
+      agreement.check_settings([record, bad], "a.jsonl", "smollm2-135m-instruct", True)
+    assert str(error.value) == message

@@ -99,6 +99,8 @@ def test_json_output_for_a_prompt_file(plain_run):
   for r in records:
     assert {"prompt", "text", "tokens", "num_tokens", "seconds", "rounds", "tau"} <= set(r)
     assert 1 <= r["num_tokens"] == len(r["tokens"]) <= 24 and r["text"].strip()
+    # What produced the answers, for `infer.agreement` to check.
+    assert (r["target"], r["chat"], r["temperature"]) == ("smollm2-135m-instruct", True, 0.0)
   assert "4" in records[0]["text"]
 
 
