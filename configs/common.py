@@ -142,6 +142,9 @@ def training_config(
       # float32 on disk; one host): worth it when the target dominates the step and the data
       # is seen many times.
       cache_features=False,
+      # Train on no token of a repetition loop (`data.mask_loops`): self-distilled answers
+      # that run to the length cap are mostly loops, which decoding rarely meets.
+      mask_loops=False,
       tfds_data_dir="",  # where tfds: sources are prepared ("" -> TFDS's default)
     )
   )

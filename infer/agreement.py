@@ -64,18 +64,6 @@ def replay_rounds(agree_J: np.ndarray) -> tuple[int, int]:
   return rounds, accepted
 
 
-def in_loop(answer: list[int], n: int = 3) -> np.ndarray:
-  """[len(answer) - 1] bool; entry j - 1: the n tokens before answer token j occurred earlier in
-  the answer, so copying what followed them (as prompt lookup does) offers a guess for token j.
-  Token j itself is not looked at, so a loop the target leaves counts as a loop."""
-  seen, out = set(), []  # n-grams already followed by a token of the answer
-  for j in range(1, len(answer)):
-    if j > n:
-      seen.add(tuple(answer[j - n - 1 : j - 1]))  # ends at token j - 2, followed by j - 1
-    out.append(j >= n and tuple(answer[j - n : j]) in seen)
-  return np.asarray(out, bool)
-
-
 def _records(path: str) -> list[dict]:
   records = []
   with open(path) as fh:
@@ -139,7 +127,7 @@ def run() -> None:
     hits = depth1_agreement(target, drafter, prompt, record["tokens"])
     r, acc = replay_rounds(hits)
     agree.append(hits)
-    loops.append(in_loop(record["tokens"]))
+    loops.append(data.in_loop(record["tokens"]))
     rounds, accepted = rounds + r, accepted + acc
   hit, loop = np.concatenate(agree), np.concatenate(loops)
   this = np.concatenate([x[1:] for x in agree])  # each token's agreement ...

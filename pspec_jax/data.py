@@ -319,6 +319,36 @@ class TokenData:
     return batch
 
 
+def in_loop(answer: list[int], n: int = 3) -> np.ndarray:
+  """[len(answer) - 1] bool; entry j - 1: the n tokens before answer token j occurred earlier in
+  the answer, so copying what followed them (as prompt lookup does) offers a guess for token j.
+  Token j itself is not looked at, so a loop the target leaves counts as a loop."""
+  seen, out = set(), []  # n-grams already followed by a token of the answer
+  for j in range(1, len(answer)):
+    if j > n:
+      seen.add(tuple(answer[j - n - 1 : j - 1]))  # ends at token j - 2, followed by j - 1
+    out.append(j >= n and tuple(answer[j - n : j]) in seen)
+  return np.asarray(out, bool)
+
+
+def mask_loops(token_data: TokenData, n: int = 3) -> TokenData:
+  """The data with repetition loops taken out of the loss: within each run of trained
+  (assistant) tokens, a token whose n predecessors occurred earlier in the run (`in_loop`) is
+  no longer trained on. Long self-distilled answers are mostly loops, easy to predict and
+  rare in decoding's answers; this spends the training on the rest."""
+  loss_mask = token_data.loss_mask.copy()
+  for row, mask in enumerate(token_data.loss_mask):
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+    # a run ends where the mask or the conversation does
+    segments = token_data.segments[row]
+    for start, stop in zip(edges[::2], edges[1::2], strict=True):
+      cuts = start + 1 + np.flatnonzero(np.diff(segments[start:stop]))
+      for lo, hi in zip([start, *cuts], [*cuts, stop], strict=True):
+        loops = in_loop(token_data.tokens[row, lo:hi].tolist(), n)
+        loss_mask[row, lo + 1 : hi] &= ~loops
+  return dataclasses.replace(token_data, loss_mask=loss_mask)
+
+
 def pack(lengths: list[int], seq_len: int) -> list[list[int]]:
   """Best-fit packing: rows of conversation indices whose lengths sum to at most `seq_len`.
 

@@ -23,14 +23,6 @@ def test_a_hit_moves_the_next_round_two_tokens_on_a_miss_one():
   assert agreement.replay_rounds(np.array([], bool)) == (0, 0)
 
 
-def test_a_token_is_in_a_loop_when_the_tokens_before_it_occurred_earlier():
-  answer = [1, 2, 3, 4, 1, 2, 3, 9, 5]
-  # aligned to answer[1:]: tokens 7 and 8 follow (1, 2, 3) and (2, 3, 9); only (1, 2, 3) was
-  # seen before. Token 7 breaks the loop (9, not 4) and still counts as in it.
-  np.testing.assert_array_equal(agreement.in_loop(answer), [0, 0, 0, 0, 0, 0, 1, 0])
-  np.testing.assert_array_equal(agreement.in_loop(answer, n=1), [0, 0, 0, 0, 1, 1, 1, 0])
-
-
 @pytest.mark.parametrize("kind", ["pspec", "eagle", "medusa"])
 def test_replayed_rounds_are_the_decoders(smollm2, kind):
   """Single-token drafting with the shipped drafter, replayed from teacher-forced agreement,

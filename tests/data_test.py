@@ -165,3 +165,46 @@ def test_frequent_tokens_and_coverage():
   vocab = data.frequent_tokens(d, 3)
   assert vocab.tolist() == [5, 2, 9] and vocab.dtype == np.int32
   assert data.coverage(d, vocab[:2]) == pytest.approx(5 / 6)
+
+
+def test_a_token_is_in_a_loop_when_the_tokens_before_it_occurred_earlier():
+  answer = [1, 2, 3, 4, 1, 2, 3, 9, 5]
+  # aligned to answer[1:]: tokens 7 and 8 follow (1, 2, 3) and (2, 3, 9); only (1, 2, 3) was
+  # seen before. Token 7 breaks the loop (9, not 4) and still counts as in it.
+  np.testing.assert_array_equal(data.in_loop(answer), [0, 0, 0, 0, 0, 0, 1, 0])
+  np.testing.assert_array_equal(data.in_loop(answer, n=1), [0, 0, 0, 0, 1, 1, 1, 0])
+
+
+def test_mask_loops_drops_loop_tokens_of_each_answer_from_the_loss():
+  # Row 0 packs two conversations; in each, prompt tokens (mask 0) precede the answer (mask 1).
+  tokens = np.array(
+    [
+      [7, 1, 2, 3, 1, 2, 3, 1, 8, 1, 2, 3, 1, 2, 0],
+      [5, 6, 5, 6, 5, 6, 5, 1, 2, 3, 1, 2, 3, 1, 0],
+    ],
+    np.int32,
+  )
+  mask = np.array(
+    [
+      [0, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 0],
+      [0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 0],
+    ],
+    bool,
+  )
+  segments = np.array(
+    [[1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 0], [1] * 14 + [0]],
+    np.int32,
+  )
+  masked = data.mask_loops(data.TokenData(tokens=tokens, loss_mask=mask, segments=segments))
+  # Conversation 1's answer 1 2 3 1 2 3 1: the last token follows (1, 2, 3) seen before.
+  # Conversation 2's answer 1 2 3 1 2 starts afresh (nothing carries over from the first).
+  # Row 1: the prompt's 5 6 loop is not trained anyway; the answer is judged on its own.
+  np.testing.assert_array_equal(
+    masked.loss_mask,
+    [
+      [0, 1, 1, 1, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1, 0],
+      [0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0],
+    ],
+  )
+  np.testing.assert_array_equal(masked.tokens, tokens)
+  assert mask.sum() == 19  # the input is left as it was

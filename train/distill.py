@@ -117,6 +117,8 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
     )
     for split in ("train", "heldout")
   }
+  if config.data.mask_loops:
+    loaded = {split: data.mask_loops(d) for split, d in loaded.items()}
 
   mesh = sharding.make_mesh(**config.mesh.to_dict())
   place = step_lib.placement(cfg, mesh)
