@@ -111,12 +111,11 @@ def run() -> None:
   if FLAGS.method == "pld":
     raise ValueError("--method=pld has no drafter network to run teacher-forced")
   records = _records(FLAGS.answers)
-  drafter_files.drafter_source(
-    FLAGS.method, FLAGS.drafter, checkpoints.load_target_config(FLAGS.target).name
-  )
+  name = checkpoints.load_target_config(FLAGS.target).name
+  drafter_files.drafter_source(FLAGS.method, FLAGS.drafter, name)
   tokenizer = checkpoints.load_tokenizer(FLAGS.target)
   chat = FLAGS.chat if FLAGS.chat is not None else tokenizer.chat_template is not None
-  check_settings(records, FLAGS.answers, checkpoints.load_target_config(FLAGS.target).name, chat)
+  check_settings(records, FLAGS.answers, name, chat)
   target = checkpoints.load_target(FLAGS.target, scan_layers=False)
   drafter = drafter_files.resolve_drafter(FLAGS.method, FLAGS.drafter, target).with_head(target)
   agree, loops, rounds, accepted = [], [], 0, 0

@@ -93,10 +93,7 @@ def decode_memory_table(
 def _abstract_params(init_params, init_boxed, cfg, mesh):
   """Parameter shapes with their shardings on `mesh`: arguments to lower a program with."""
   shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
-  placed = sharding.param_shardings(init_boxed, cfg, mesh)
-  return jax.tree.map(
-    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, placed
-  )
+  return sharding.abstract(shapes, sharding.param_shardings(init_boxed, cfg, mesh))
 
 
 def compiled_decode_bytes(
@@ -123,12 +120,9 @@ def compiled_decode_bytes(
   lengths = jax.ShapeDtypeStruct((batch,), np.int32)
   compiled = decode.compile_generate(model, tokens, lengths, jax.random.key(0), cfg, draft)
   stats = compiled.memory_analysis()
-  held = sum(
-    int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
-    for x in jax.tree.leaves(params)
-  )
+  shardings = jax.tree.map(lambda x: x.sharding, params)
   return {
-    "parameters held": held,
+    "parameters held": sharding.bytes_per_device(params, shardings),
     "outputs": stats.output_size_in_bytes - stats.alias_size_in_bytes,
     "temporaries (caches included)": stats.temp_size_in_bytes,
   }

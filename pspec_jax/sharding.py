@@ -116,6 +116,14 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec(("data", "fsdp"), *([None] * (ndim - 1))))
 
 
+def abstract(tree, sharding_tree) -> Any:
+  """ShapeDtypeStructs of a tree of arrays or shapes, each carrying its sharding: what to lower
+  a program with, or to restore a checkpoint into, without allocating anything."""
+  return jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sharding_tree
+  )
+
+
 def bytes_per_device(tree, sharding_tree) -> int:
   """Bytes each device holds of a tree of arrays or ShapeDtypeStructs under the shardings."""
   total = 0

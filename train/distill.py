@@ -149,13 +149,11 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
   if eval_only and start is None:
     raise ValueError(f"{workdir} has no checkpoint to evaluate")
   if start is not None:
-    abstract = jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, place.state
-    )
     restored = manager.restore(
       start,
       args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+        state=ocp.args.StandardRestore(sharding.abstract(state, place.state)),
+        meta=ocp.args.JsonRestore(),
       ),
     )
     state = restored.state

@@ -4,8 +4,8 @@ Parameters, optimizer state and batches are sized exactly from `jax.eval_shape` 
 shardings the rules give on the configured mesh (an `AbstractMesh`, so no device is needed);
 activations are an estimate from the layer sizes (stated as such in the table). When this host
 holds the configured hardware's devices, the train step is also compiled for the configured
-mesh on abstract arguments, and XLA's memory analysis of that program (arguments, outputs,
-temporaries, peak) is printed too; compiling allocates no array.
+mesh on abstract arguments, and XLA's memory analysis of that program (outputs and
+temporaries, beside the arrays held) is printed too; compiling allocates no array.
 """
 
 import jax
@@ -116,12 +116,13 @@ def compiled_bytes(config, cfg: StepConfig, mesh) -> dict[str, int]:
   key = jax.random.key(0)
   vocab = cfg.drafter.draft_vocab_size
   vocab = jax.ShapeDtypeStruct((vocab,), np.int32) if vocab else None
-  abstract = lambda tree, shardings: jax.tree.map(
-    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+  state = jax.eval_shape(jit_init(cfg, place), key, vocab)
+  target = jax.eval_shape(lambda: llama.init_params(cfg.target, key))
+  batch = abstract_batch(cfg, config.train.batch_size, config.data.seq_len)
+  state, target, batch = (
+    sharding.abstract(tree, placed)
+    for tree, placed in ((state, place.state), (target, place.target), (batch, place.batch))
   )
-  state = abstract(jax.eval_shape(jit_init(cfg, place), key, vocab), place.state)
-  target = abstract(jax.eval_shape(lambda: llama.init_params(cfg.target, key)), place.target)
-  batch = abstract(abstract_batch(cfg, config.train.batch_size, config.data.seq_len), place.batch)
   stats = jit_train_step(cfg, place).lower(state, target, batch, key).compile().memory_analysis()
   # XLA counts only the arguments the program reads; every held array stays resident.
   return {
