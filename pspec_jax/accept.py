@@ -12,22 +12,23 @@ node are tried in rank order:
   sample lands on a proposed child.
 - greedy (T = 0): r is the one-hot of the target's argmax, so a child is accepted iff it is
   the argmax, and the bonus is the argmax at the last accepted node: the same tokens as plain
-  greedy decoding.
+  greedy decoding. This case runs in that reduced form, on token ids alone: the walk over
+  vocabulary-sized distributions costs a round a millisecond on a CPU.
 
 The last accepted node's residual gives the bonus token; tau = accepted + 1.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from pspec_jax.sampling import SamplingConfig, filtered_logits
+from pspec_jax.sampling import SamplingConfig, argmax, categorical, filtered_logits
 from pspec_jax.tree import TreeArrays
 
 
 def target_probs(logits_BMV: jax.Array, cfg: SamplingConfig) -> jax.Array:
-  """The target's distribution at every node: one-hot argmax when greedy, else filtered."""
-  if cfg.greedy:
-    return jax.nn.one_hot(jnp.argmax(logits_BMV, axis=-1), logits_BMV.shape[-1])
+  """The target's (filtered) sampling distribution at every node."""
   return jax.nn.softmax(filtered_logits(logits_BMV, cfg), axis=-1)
 
 
@@ -54,15 +55,41 @@ def accept(
     (entries past `num_accepted + 1` repeat the last accepted node), the accepted draft tokens
     per sequence, and the next bonus token.
   """
+  if cfg.greedy:
+    best_BM = argmax(logits_BMV)
+    walk = functools.partial(greedy_walk, max_depth=max_depth)
+    path_BP1 = jax.vmap(walk)(best_BM, node_tokens_BM, tree.children)
+    last = path_BP1[:, -1:]
+    bonus = jnp.take_along_axis(best_BM, last, axis=1)[:, 0]
+  else:
+    path_BP1, bonus = sampling_walk(logits_BMV, node_tokens_BM, tree, max_depth, key, cfg)
+  num_accepted = jnp.take_along_axis(tree.depth, path_BP1[:, -1:], axis=1)[:, 0]
+  return path_BP1, num_accepted.astype(jnp.int32), bonus.astype(jnp.int32)
+
+
+def greedy_walk(best_M, tokens_M, children_MC, max_depth: int) -> jax.Array:
+  """The accepted path [P+1] of one sequence when greedy: at each level the first child (in rank
+  order) whose token is the target's choice `best_M` at the current node. A level that accepts
+  nothing leaves the node, and so every later level, where it is."""
+  path = jnp.zeros((max_depth + 1,), jnp.int32)
+
+  def level(d, carry):
+    node, path = carry
+    kids = children_MC[node]
+    hit = (kids >= 0) & (tokens_M[jnp.maximum(kids, 0)] == best_M[node])
+    node = jnp.where(hit.any(), kids[jnp.argmax(hit)], node)
+    return node, path.at[d + 1].set(node)
+
+  return jax.lax.fori_loop(0, max_depth, level, (jnp.int32(0), path))[1]
+
+
+def sampling_walk(logits_BMV, node_tokens_BM, tree, max_depth, key, cfg):
+  """(path_BP1, bonus_B) by multi-child rejection sampling (the module docstring)."""
   batch = logits_BMV.shape[0]
   num_slots = tree.children.shape[-1]
   probs_BMV = target_probs(logits_BMV, cfg)
   walk_key, bonus_key = jax.random.split(key)
-  if cfg.greedy:
-    # With one-hot r, any threshold in (0, 1) accepts exactly the argmax.
-    uniform_BPC = jnp.full((batch, max_depth, num_slots), 0.5, jnp.float32)
-  else:
-    uniform_BPC = jax.random.uniform(walk_key, (batch, max_depth, num_slots))
+  uniform_BPC = jax.random.uniform(walk_key, (batch, max_depth, num_slots))
 
   def walk(probs_MV, tokens_M, children_MC, uniform_PC):
     def step(i, carry):
@@ -92,9 +119,4 @@ def accept(
     return path, residual
 
   path_BP1, residual_BV = jax.vmap(walk)(probs_BMV, node_tokens_BM, tree.children, uniform_BPC)
-  num_accepted = jnp.take_along_axis(tree.depth, path_BP1[:, -1:], axis=1)[:, 0]
-  if cfg.greedy:
-    bonus = jnp.argmax(residual_BV, axis=-1)
-  else:
-    bonus = jax.random.categorical(bonus_key, jnp.log(residual_BV), axis=-1)
-  return path_BP1, num_accepted.astype(jnp.int32), bonus.astype(jnp.int32)
+  return path_BP1, categorical(bonus_key, jnp.log(residual_BV))

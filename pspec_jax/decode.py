@@ -4,8 +4,10 @@ State between rounds: the target cache holds x_1..x_n; the *bonus* token x_{n+1}
 p_n, is known but not yet in the cache, and the drafter's proposals for the next round are
 ready. A round
 
-1. builds the token tree (static, or the most confident nodes of a dynamic pool),
-2. verifies it: one target pass over the M nodes at positions n+1+depth, tree mask + cache,
+1. builds the token tree (static, or the most confident nodes of a dynamic pool), with a chain
+   of prompt-lookup nodes below the root when the tree asks for one and the context repeats,
+2. verifies it: one target pass over the M nodes at positions n+1+depth, tree mask + cache
+   (a round without a lookup chain verifies the drafted nodes alone),
 3. accepts a path and a new bonus token (`accept.accept`), greedy or lossless sampling,
 4. commits the path's keys/values into contiguous cache slots and its tokens (cut at EOS and
    at the token budget), and
@@ -33,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding
 from pspec_jax import sharding
 from pspec_jax import tree as tree_lib
 from pspec_jax.accept import accept
-from pspec_jax.drafter import Drafter, Pairs, propose, take_rows
+from pspec_jax.drafter import Drafter, Pairs, pld_candidates, propose, take_rows
 from pspec_jax.kv_cache import KVCache
 from pspec_jax.llama import Target
 from pspec_jax.sampling import SamplingConfig, select
@@ -201,7 +203,7 @@ def init(
   pool = pool_tree(cfg, drafter)
   batch, width = prompt_tokens.shape
   total = width + cfg.max_new_tokens
-  max_len = cfg.max_len or total + pool.depth
+  max_len = cfg.max_len or total + pool.max_depth
   prompt_lengths = prompt_lengths.astype(jnp.int32)
   positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
   features, kv = target(prompt_tokens, positions)
@@ -219,7 +221,7 @@ def init(
     prompt_lengths=prompt_lengths,
     done=_is_eos(first, cfg) | (cfg.max_new_tokens <= 1),
     rounds=jnp.zeros((batch,), jnp.int32),
-    accepted=jnp.zeros((batch, pool.depth), jnp.int32),
+    accepted=jnp.zeros((batch, pool.max_depth), jnp.int32),
     key=key,
     step=jnp.zeros((), jnp.int32),
     drafter_cache=None if drafter is None else drafter.empty_cache(batch, max_len),
@@ -243,11 +245,38 @@ def verify(target: Target, state: DecodeState, cfg: DecodeConfig, drafter=None) 
     node_tokens = jnp.take_along_axis(node_tokens, kept, axis=1)
   else:
     tree = tree_lib.batched(pool, batch)
-  positions = n[:, None] + tree.depth
-  features, kv = target(node_tokens, positions, state.cache, tree.ancestors)
-  return Verified(
-    tree=tree, node_tokens=node_tokens, features=features, kv=kv, logits=target.logits(features)
+
+  def run(node_tokens, tree):
+    features, kv = target(node_tokens, n[:, None] + tree.depth, state.cache, tree.ancestors)
+    return features, kv, target.logits(features)
+
+  if not pool.lookup:
+    features, kv, logits = run(node_tokens, tree)
+    return Verified(tree=tree, node_tokens=node_tokens, features=features, kv=kv, logits=logits)
+  drafted, drafted_tree = node_tokens.shape[1], tree
+  lookup_tokens, ok = pld_candidates(
+    state.tokens, state.num_tokens, pool.lookup, LOOKUP_NGRAMS[1], LOOKUP_NGRAMS[0]
   )
+  node_tokens = jnp.concatenate([node_tokens, lookup_tokens], axis=1)
+
+  def drafted_only():  # no sequence found a lookup: its chain nodes are cut, skip them
+    out = run(node_tokens[:, :drafted], drafted_tree)
+    return jax.tree.map(lambda x, axis: _pad_axis(x, axis, pool.lookup), out, (1, (2, 2), 1))
+
+  tree = tree_lib.with_lookup(tree, ok)
+  features, kv, logits = jax.lax.cond(
+    jnp.any(ok[:, 0]), lambda: run(node_tokens, tree), drafted_only
+  )
+  return Verified(tree=tree, node_tokens=node_tokens, features=features, kv=kv, logits=logits)
+
+
+# Prompt lookup finds the context's last 3, else last 2 tokens earlier in it; a lone repeated
+# token predicts too little to be worth verifying.
+LOOKUP_NGRAMS = (2, 3)
+
+
+def _pad_axis(x: jax.Array, axis: int, extra: int) -> jax.Array:
+  return jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)])
 
 
 def accept_path(state: DecodeState, verified: Verified, cfg: DecodeConfig, drafter=None):
@@ -257,7 +286,7 @@ def accept_path(state: DecodeState, verified: Verified, cfg: DecodeConfig, draft
     verified.logits,
     verified.node_tokens,
     verified.tree,
-    pool_tree(cfg, drafter).depth,
+    pool_tree(cfg, drafter).max_depth,
     jax.random.fold_in(state.key, state.step + 1),
     cfg.sampling,
   )
@@ -271,7 +300,7 @@ def commit(
   A sequence keeps the accepted drafts and the bonus, cut after its first EOS and at its token
   budget; finished sequences idle (nothing written, counters unchanged).
   """
-  depth = pool_tree(cfg, drafter).depth
+  depth = pool_tree(cfg, drafter).max_depth
   batch, total = state.tokens.shape
   rows = jnp.arange(batch)
   active = ~state.done
@@ -374,7 +403,7 @@ def check_inputs(
     )
   if drafter is not None:
     check_drafter(target, drafter, cfg)
-  depth = pool_tree(cfg, drafter).depth
+  depth = pool_tree(cfg, drafter).max_depth
   width = prompt_tokens.shape[1]
   needed = width + cfg.max_new_tokens + depth
   if cfg.max_len and needed > cfg.max_len:

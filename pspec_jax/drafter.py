@@ -407,19 +407,21 @@ def _propose_medusa(drafter, target, cache, pairs, context, pool):
   return cache, _nodes_from_candidates(*candidates, pool)
 
 
-def pld_candidates(tokens_BW, num_tokens_B, num_draft, max_ngram):
+def pld_candidates(tokens_BW, num_tokens_B, num_draft, max_ngram, min_ngram=1):
   """Prompt lookup: the K tokens after the most recent earlier occurrence of the suffix.
 
-  The longest suffix n-gram (up to `max_ngram`) with an earlier occurrence wins; among its
-  occurrences the most recent. Returns tokens [B, K] and whether each is a real proposal
-  (a continuation cannot run past the known tokens).
+  The longest suffix n-gram (`max_ngram` down to `min_ngram`) with an earlier occurrence wins;
+  among its occurrences the most recent. A continuation that reaches the end of the known
+  tokens starts over from its own beginning: the q tokens between the occurrence and the end
+  are taken as a loop of period q (`1 1 1` continues `1 1 ...`, `a b a b` continues `a b ...`).
+  Returns tokens [B, K] and whether each is a real proposal (all of them when a match exists).
   """
   width = tokens_BW.shape[1]
   starts = jnp.arange(width)
 
   def one(tokens_W, n):
     best_start, found = jnp.int32(-1), jnp.bool_(False)
-    for g in range(max_ngram, 0, -1):
+    for g in range(max_ngram, min_ngram - 1, -1):
       suffix = jax.lax.dynamic_slice(tokens_W, (jnp.maximum(n - g, 0),), (g,))
       same = jnp.ones((width,), jnp.bool_)
       for j in range(g):
@@ -431,8 +433,9 @@ def pld_candidates(tokens_BW, num_tokens_B, num_draft, max_ngram):
       take = ~found & (last >= 0)
       best_start = jnp.where(take, last + g, best_start)
       found = found | take
-    index = best_start + jnp.arange(num_draft)
-    ok = found & (index < n)
+    period = jnp.maximum(n - best_start, 1)
+    index = best_start + jnp.arange(num_draft) % period
+    ok = jnp.broadcast_to(found, (num_draft,))
     return tokens_W[jnp.clip(index, 0, width - 1)], ok
 
   return jax.vmap(one)(tokens_BW, num_tokens_B)

@@ -12,7 +12,14 @@ draft probabilities along the node's path); because confidence never grows along
 kept set is a tree.
 
 Presets (`parse`): `chain` (K nodes in a line), `sparseN` (an N-node sparse tree) and
-`dynamic:N` (N nodes chosen per round from a 4N-node pool). Sparse trees and pools are grown
+`dynamic:N` (N nodes chosen per round from a 4N-node pool).
+
+*Lookup* (`+lookup:L` after any tree, e.g. `paths:0+lookup:4`): in rounds where the context's
+last 2 or 3 tokens occurred earlier in it, the tokens that followed them there (prompt lookup)
+become a chain of up to L more nodes below the root, tried before the drafter's own; other rounds
+verify the drafter's tree alone. Repetition (quoting the prompt, lists, code, the loops of a
+small model) is where a drafter guesses worst relative to copying, and a round pays for the
+chain only when it has one. Sparse trees and pools are grown
 best-first under a fixed prior on how often the rank-r candidate is right, the same idea as
 Medusa's calibrated trees: `RANK_PRIOR[r]`, one factor per step of the path. A tree can also be
 spelled out, `paths:0/0.0/1` (rank paths joined by `/`, ranks by `.`): `best` builds one from
@@ -43,10 +50,12 @@ class Tree:
   Attributes:
     paths: rank paths of the non-root nodes, sorted by (depth, path), prefix-closed.
     budget: 0 for a static tree; else the nodes (root included) kept per round from this pool.
+    lookup: L, the most prompt-lookup nodes a round adds below the root (0: none).
   """
 
   paths: tuple[Path, ...]
   budget: int = 0
+  lookup: int = 0
 
   def __post_init__(self):
     paths = tuple(tuple(int(r) for r in p) for p in self.paths)
@@ -61,6 +70,8 @@ class Tree:
     object.__setattr__(self, "paths", tuple(sorted(paths, key=lambda p: (len(p), p))))
     if self.budget and not 1 <= self.budget <= self.num_nodes:
       raise ValueError(f"dynamic tree budget {self.budget} must be in [1, {self.num_nodes}]")
+    if self.lookup < 0:
+      raise ValueError(f"lookup nodes must be >= 0, got {self.lookup}")
 
   @property
   def num_nodes(self) -> int:
@@ -69,13 +80,18 @@ class Tree:
 
   @property
   def num_verified(self) -> int:
-    """Nodes the target verifies per round, root included (M)."""
-    return self.budget or self.num_nodes
+    """The most nodes the target verifies in a round, root and lookup included (M)."""
+    return (self.budget or self.num_nodes) + self.lookup
 
   @property
   def depth(self) -> int:
-    """Deepest level (P): draft tokens needed per round."""
+    """The drafted tree's deepest level: draft tokens the drafter proposes per round."""
     return max((len(p) for p in self.paths), default=0)
+
+  @property
+  def max_depth(self) -> int:
+    """The longest path a round can accept (P), lookup included."""
+    return max(self.depth, self.lookup)
 
   @property
   def num_candidates(self) -> int:
@@ -87,7 +103,8 @@ class Tree:
     """The explicit spelling `parse` reads back: `paths:0/0.0/1`."""
     if self.budget:
       raise ValueError("a dynamic tree has no explicit spelling; use its preset name")
-    return "paths:" + "/".join(".".join(map(str, p)) for p in self.paths)
+    lookup = f"+lookup:{self.lookup}" if self.lookup else ""
+    return "paths:" + "/".join(".".join(map(str, p)) for p in self.paths) + lookup
 
   @functools.cached_property
   def arrays(self) -> "TreeArrays":
@@ -240,12 +257,19 @@ def _explicit(spec: str, num_draft: int) -> Tree:
 @functools.cache
 def parse(spec: str, num_draft: int) -> Tree:
   """A tree from its name: `chain`, `sparseN`, `dynamic:N` (N nodes, root included) or
-  `paths:0/0.0/1` (the explicit rank paths).
+  `paths:0/0.0/1` (the explicit rank paths), any of them followed by `+lookup:L`.
 
-  Trees never go deeper than `num_draft` (K), the draft tokens proposed per round.
+  Drafted trees never go deeper than `num_draft` (K), the draft tokens proposed per round.
   """
   if num_draft < 1:
     raise ValueError(f"num_draft (K) must be >= 1, got {num_draft}")
+  spec, lookup_sep, lookup = spec.partition("+lookup:")
+  if lookup_sep:
+    if not lookup.isdigit() or int(lookup) < 1:
+      raise ValueError(
+        f"bad lookup {lookup!r} in tree '{spec}+lookup:{lookup}': write +lookup:L, L >= 1"
+      )
+    return dataclasses.replace(parse(spec, num_draft), lookup=int(lookup))
   if spec == "chain":
     return chain(num_draft)
   if spec.startswith("paths:"):
@@ -269,6 +293,48 @@ def parse(spec: str, num_draft: int) -> Tree:
 def batched(tree: Tree, batch: int) -> TreeArrays:
   """The static tree's arrays broadcast over the batch."""
   return jax.tree.map(lambda x: jnp.broadcast_to(x, (batch, *x.shape)), tree.arrays)
+
+
+def with_lookup(tree: TreeArrays, ok_BL: jax.Array) -> TreeArrays:
+  """The batched tree of M nodes with a chain of L lookup nodes (M .. M+L-1) below its root.
+
+  The chain's first node is the root's first child, so it is tried before the drafter's; node j
+  of the chain exists where `ok_BL[:, j]` (a lookup found that many tokens), else it and the
+  rest of the chain are cut (no parent links to them).
+  """
+  batch, m = tree.depth.shape
+  lookup = ok_BL.shape[1]
+  chain = m + jnp.arange(lookup)
+  full = jnp.arange(m + lookup)
+  # Chain node j sees the root and the chain nodes up to j.
+  sees = (full[None, :] == 0) | ((full[None, :] >= m) & (full[None, :] <= chain[:, None]))
+  ancestors = jnp.concatenate(
+    [
+      jnp.pad(tree.ancestors, ((0, 0), (0, 0), (0, lookup))),
+      jnp.broadcast_to(sees, (batch, lookup, m + lookup)),
+    ],
+    axis=1,
+  )
+  # Children: the root's first slot is the chain's first node; chain node j's is node j + 1.
+  next_in_chain = jnp.where(ok_BL, chain, -1)  # [B, L]: the chain node at j, if found
+  first = jnp.full((batch, m + lookup, 1), -1, jnp.int32).at[:, 0, 0].set(next_in_chain[:, 0])
+  first = first.at[:, m:-1, 0].set(next_in_chain[:, 1:])
+  rest = jnp.pad(tree.children, ((0, 0), (0, lookup), (0, 0)), constant_values=-1)
+  return TreeArrays(
+    depth=jnp.concatenate(
+      [tree.depth, jnp.broadcast_to(1 + jnp.arange(lookup), (batch, lookup))], 1
+    ),
+    parent=jnp.concatenate(
+      [
+        tree.parent,
+        jnp.broadcast_to(jnp.concatenate([jnp.zeros(1, jnp.int32), chain[:-1]]), (batch, lookup)),
+      ],
+      1,
+    ).astype(jnp.int32),
+    rank=jnp.pad(tree.rank, ((0, 0), (0, lookup))),
+    ancestors=ancestors,
+    children=jnp.concatenate([first, rest], axis=2).astype(jnp.int32),
+  )
 
 
 def select_dynamic(pool: Tree, node_logp_BM: jax.Array) -> tuple[jax.Array, TreeArrays]:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from pspec_jax import decode, llama
+from pspec_jax import decode, llama, sampling
 from pspec_jax.sampling import SamplingConfig, filtered_logits, select
 
 TINY = llama.LlamaConfig(
@@ -186,3 +186,16 @@ def test_sampling_distribution_matches_the_definition(top_k, top_p):
   support = expected > 0
   assert counts[~support].sum() == 0
   assert scipy.stats.chisquare(counts[support], 20000 * expected[support]).pvalue > 1e-3
+
+
+def test_argmax_and_categorical_equal_jax_s():
+  x = jax.random.normal(jax.random.key(0), (3, 5, 1000))
+  x = x.at[0, 0, 7].set(9.0).at[0, 0, 3].set(9.0)  # a tie: the first index wins
+  x = x.at[1].set(-jnp.inf).at[1, :, 500].set(0.0)  # one finite entry per row
+  np.testing.assert_array_equal(sampling.argmax(x), jnp.argmax(x, axis=-1))
+  assert int(sampling.argmax(x)[0, 0]) == 3
+  for seed in range(5):
+    key = jax.random.key(seed)
+    np.testing.assert_array_equal(
+      sampling.categorical(key, x), jax.random.categorical(key, x, axis=-1)
+    )

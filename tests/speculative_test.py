@@ -182,7 +182,14 @@ def sample_many(target, drafter, prompt, cfg):
 
 @pytest.mark.parametrize(
   "kind,tree",
-  [(None, ""), ("pspec", "chain"), ("pspec", "sparse8"), ("medusa", "dynamic:5"), ("pld", "chain")],
+  [
+    (None, ""),
+    ("pspec", "chain"),
+    ("pspec", "sparse8"),
+    ("medusa", "dynamic:5"),
+    ("pld", "chain"),
+    ("pspec", "paths:0+lookup:3"),
+  ],
 )
 def test_speculative_sampling_matches_the_target_distribution(kind, tree):
   target = make_target(2.0, seed=3, cfg=SAMPLING_TINY)
@@ -330,11 +337,17 @@ def test_pld_proposes_the_continuation_of_the_longest_recent_match():
   tokens = jnp.asarray([[1, 2, 3, 8, 6, 6, 7, 2, 3, 0]])
   out, ok = drafter_lib.pld_candidates(tokens, jnp.asarray([9]), 4, max_ngram=3)
   assert out[0, :4].tolist() == [8, 6, 6, 7] and ok.tolist() == [[True] * 4]
-  # No match at all, and a continuation that runs into unknown tokens.
+  # No match at all.
   out, ok = drafter_lib.pld_candidates(jnp.asarray([[4, 5, 6, 7]]), jnp.asarray([4]), 2, 2)
   assert ok.tolist() == [[False, False]]
+  # A continuation that reaches the known tokens' end repeats the span it covered: 4 (5 4) 5 4.
   out, ok = drafter_lib.pld_candidates(jnp.asarray([[4, 5, 4, 0]]), jnp.asarray([3]), 3, 2)
-  assert out[0, :1].tolist() == [5] and ok.tolist() == [[True, True, False]]
+  assert out.tolist() == [[5, 4, 5]] and ok.tolist() == [[True] * 3]
+  out, ok = drafter_lib.pld_candidates(jnp.asarray([[7, 1, 1, 1, 0]]), jnp.asarray([4]), 4, 3)
+  assert out.tolist() == [[1] * 4] and ok.tolist() == [[True] * 4]
+  # min_ngram: a lone repeated token is no match when pairs are asked for.
+  out, ok = drafter_lib.pld_candidates(jnp.asarray([[4, 5, 4, 0]]), jnp.asarray([3]), 3, 3, 2)
+  assert ok.tolist() == [[False] * 3]
 
 
 def test_bad_input_is_one_clear_error(target):
@@ -365,3 +378,44 @@ def test_generate_under_a_users_jit_with_batch_sharded_inputs(target):
   sharded = fn(target, drafter, jax.device_put(tokens, rows), jax.device_put(lengths, rows))
   plain = decode.generate(target, tokens, lengths, jax.random.key(0), cfg)
   assert sharded.tolist() == plain.tokens.tolist()
+
+
+# --- prompt-lookup chains ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("tree", ["paths:0+lookup:4", "sparse8+lookup:2", "dynamic:6+lookup:3"])
+def test_lookup_chains_stay_lossless_and_are_accepted(target, kind, tree):
+  tokens, lengths = padded(PROMPTS)
+  cfg = decode.DecodeConfig(max_new_tokens=24, eos_ids=(3,), tree=tree)
+  plain = decode.generate(target, tokens, lengths, jax.random.key(0), cfg)
+  drafter = drafter_for(kind, target)
+  spec = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter)
+  assert spec.tokens.tolist() == plain.tokens.tolist()
+  assert spec.lengths.tolist() == plain.lengths.tolist()
+  np.testing.assert_allclose(spec.tau * spec.rounds, spec.lengths - 1, rtol=1e-6)
+  pool = decode.pool_tree(cfg, drafter)
+  assert spec.accepted_per_depth.shape == (len(PROMPTS), pool.max_depth)
+  if pool.lookup > pool.depth:  # only a lookup chain reaches below the drafted tree
+    assert spec.accepted_per_depth[:, pool.depth :].sum() > 0
+
+
+def test_a_round_without_a_lookup_match_verifies_the_drafted_tree_alone(target):
+  # No pair of tokens repeats (the bonus follows 9, which occurs once): the drafted-only branch.
+  tokens, lengths = padded([[5, 6, 7, 8, 9]], width=8)
+  cfg = decode.DecodeConfig(max_new_tokens=1, tree="paths:0+lookup:3")
+  drafter = drafter_for("pspec", target).with_head(target)
+  state = decode.init(target, tokens, lengths, jax.random.key(0), cfg, drafter)
+  verified = decode.verify(target, state, cfg, drafter)
+  drafted = decode.verify(target, state, decode.DecodeConfig(tree="paths:0"), drafter)
+  np.testing.assert_array_equal(verified.tree.children[0, 0], [-1, 1])  # chain cut at the root
+  np.testing.assert_allclose(verified.logits[:, :2], drafted.logits, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(verified.logits[:, 2:], 0)  # the chain's nodes never ran
+  # One repeated pair (8 9 ... 8 9) and the chain runs: its first node is what followed 8 9.
+  tokens, lengths = padded([[5, 8, 9, 4, 6, 8]], width=8)
+  state = decode.init(target, tokens, lengths, jax.random.key(0), cfg, drafter)
+  state = state.replace(tokens=state.tokens.at[0, 6].set(9))  # the bonus completes "8 9"
+  verified = decode.verify(target, state, cfg, drafter)
+  assert verified.node_tokens[0, 2:].tolist() == [4, 6, 8]
+  np.testing.assert_array_equal(verified.tree.children[0, 0], [2, 1])
+  assert np.abs(np.asarray(verified.logits[:, 2:])).sum() > 0

@@ -342,3 +342,63 @@ def test_parse_rejects_trees_that_k_cannot_hold():
     tree_lib.parse("dynamic:16", 1)
   with pytest.raises(ValueError, match="max_rank"):
     tree_lib.grow(5, 2, max_rank=0)
+
+
+# --- prompt-lookup chains ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", ["chain", "sparse8", "paths:0/1/0.0", "dynamic:6"])
+def test_lookup_suffix_adds_a_chain_to_any_tree(spec):
+  base = tree_lib.parse(spec, 3)
+  tree = tree_lib.parse(f"{spec}+lookup:5", 3)
+  assert tree.paths == base.paths and tree.budget == base.budget and tree.lookup == 5
+  assert tree.num_verified == base.num_verified + 5
+  assert tree.depth == base.depth and tree.max_depth == 5  # the drafter still proposes depth
+  assert tree_lib.parse(f"{spec}+lookup:1", 3).max_depth == base.depth
+  if not tree.budget:
+    assert tree_lib.parse(tree.spec, 3) == tree  # the spelling reads back, lookup included
+
+
+@pytest.mark.parametrize(
+  "spec", ["chain+lookup:0", "chain+lookup:", "chain+lookup:x", "x+lookup:2"]
+)
+def test_bad_lookup_suffixes_raise(spec):
+  with pytest.raises(ValueError, match="lookup|unknown tree"):
+    tree_lib.parse(spec, 3)
+
+
+def reference_with_lookup(tree: Tree, ok):
+  """Per-node parent, depth and ordered children of the tree plus the lookup chain, from the
+  definition: chain node j hangs below chain node j - 1 (the root for j = 0), exists where
+  ok[j], and the chain's first node is tried before the drafter's children of the root."""
+  a = tree.arrays
+  m, lookup = tree.num_nodes, len(ok)
+  parent = list(a.parent) + [0 if j == 0 else m + j - 1 for j in range(lookup)]
+  depth = list(a.depth) + [j + 1 for j in range(lookup)]
+  children = [[int(c) for c in row if c >= 0] for row in a.children]
+  children += [[] for _ in range(lookup)]
+  if ok[0]:
+    children[0].insert(0, m)
+  for j in range(1, lookup):
+    if ok[j]:
+      children[m + j - 1].append(m + j)
+  ancestors = np.zeros((m + lookup,) * 2, bool)
+  for i in range(m + lookup):
+    node = i
+    ancestors[i, node] = True
+    while node:
+      node = parent[node]
+      ancestors[i, node] = True
+  return parent, depth, children, ancestors
+
+
+def test_with_lookup_matches_reference():
+  tree = Tree(paths=IRREGULAR_PATHS)
+  oks = [[True] * 4, [True, True, False, False], [False] * 4, [True, False, False, False]]
+  got = tree_lib.with_lookup(tree_lib.batched(tree, len(oks)), jnp.asarray(oks))
+  for row, ok in enumerate(oks):
+    parent, depth, children, ancestors = reference_with_lookup(tree, ok)
+    assert np.asarray(got.parent[row]).tolist() == parent
+    assert np.asarray(got.depth[row]).tolist() == depth
+    np.testing.assert_array_equal(got.ancestors[row], ancestors)
+    assert [[int(c) for c in r if c >= 0] for r in np.asarray(got.children[row])] == children
