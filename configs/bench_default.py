@@ -26,7 +26,9 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   config.temperature = "0"  # list
   config.batch_size = "1"  # list
   config.num_draft = ""  # list of K; "" is each drafter's own
-  config.tree = ""  # list of trees (chain, sparseN, dynamic:N, paths:...); "" is each drafter's
+  # list of trees (chain, sparseN, dynamic:N, paths:..., each with an optional +lookup:L);
+  # "" is each drafter's
+  config.tree = ""
   config.drafter_dir = ""  # a directory of <kind>/ drafters; "" is the ones shipped for target
   config.dtype = "float32"  # of the target's weights and compute
   config.hardware = "cpu"  # what --dry_run plans for: cpu, v4-8, v4-32, v5e-16, gpu-80gb

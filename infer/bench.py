@@ -274,7 +274,7 @@ def dry_run(config) -> str:
   k = max(ks) or 4
   drafters = [drafter_lib.DrafterConfig.for_target(kind, target, num_draft=k) for kind in kinds]
   specs = [t or "chain" for t in _values(config.tree, str)]
-  largest = max(specs, key=lambda t: tree_lib.parse(t, k).num_nodes)
+  largest = max(specs, key=lambda t: tree_lib.parse(t, k).num_verified)
   largest_tree = tree_lib.parse(largest, k)
   shape = dict(
     batch=max(_values(config.batch_size, int)),
@@ -286,8 +286,8 @@ def dry_run(config) -> str:
     target,
     drafters,
     **shape,
-    tree_nodes=largest_tree.num_nodes,
-    tree_depth=largest_tree.depth,
+    tree_nodes=largest_tree.num_verified,
+    tree_depth=largest_tree.max_depth,
     hardware=config.hardware,
     mesh=mesh,
   )

@@ -78,7 +78,7 @@ def run() -> None:
   )
   if mesh is not None:
     _, drafter = decode.shard(mesh, target, drafter)
-  depth = decode.pool_tree(cfg, drafter).depth
+  depth = decode.pool_tree(cfg, drafter).max_depth
   max_width = target.cfg.max_position_embeddings - cfg.max_new_tokens - depth
   live = sys.stdout.isatty() and not FLAGS.json and FLAGS.batch_size == 1
   key = jax.random.key(FLAGS.seed)
@@ -148,7 +148,10 @@ def define_flags():
   )
   flags.DEFINE_integer("num_draft", None, "K, draft tokens per round (default: the drafter's).")
   flags.DEFINE_string(
-    "tree", None, "Tree: chain, sparseN, dynamic:N or paths:0/0.0/1 (default: the drafter's)."
+    "tree",
+    None,
+    "Tree: chain, sparseN, dynamic:N or paths:0/0.0/1, each with an optional +lookup:L "
+    "(default: the drafter's).",
   )
   flags.DEFINE_string(
     "mesh", "", "Shard over a device mesh, e.g. data=2,tensor=4 (default: one device)."

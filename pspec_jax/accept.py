@@ -27,11 +27,6 @@ from pspec_jax.sampling import SamplingConfig, argmax, categorical, filtered_log
 from pspec_jax.tree import TreeArrays
 
 
-def target_probs(logits_BMV: jax.Array, cfg: SamplingConfig) -> jax.Array:
-  """The target's (filtered) sampling distribution at every node."""
-  return jax.nn.softmax(filtered_logits(logits_BMV, cfg), axis=-1)
-
-
 def accept(
   logits_BMV: jax.Array,
   node_tokens_BM: jax.Array,
@@ -84,39 +79,60 @@ def greedy_walk(best_M, tokens_M, children_MC, max_depth: int) -> jax.Array:
 
 
 def sampling_walk(logits_BMV, node_tokens_BM, tree, max_depth, key, cfg):
-  """(path_BP1, bonus_B) by multi-child rejection sampling (the module docstring)."""
+  """(path_BP1, bonus_B) by multi-child rejection sampling (the module docstring).
+
+  The residual r is never written out: it is the current node's distribution with this
+  level's rejected tokens set to 0, so the walk carries those tokens and their mass (sum(r) =
+  1 - that mass), reads single probabilities from the logits and their logsumexp, and samples
+  the bonus from the last node's logits with the rejected tokens masked.
+  """
   batch = logits_BMV.shape[0]
   num_slots = tree.children.shape[-1]
-  probs_BMV = target_probs(logits_BMV, cfg)
+  logits_BMV = filtered_logits(logits_BMV, cfg)
+  lse_BM = jax.nn.logsumexp(logits_BMV, axis=-1)
   walk_key, bonus_key = jax.random.split(key)
   uniform_BPC = jax.random.uniform(walk_key, (batch, max_depth, num_slots))
 
-  def walk(probs_MV, tokens_M, children_MC, uniform_PC):
+  def walk(logits_MV, lse_M, tokens_M, children_MC, uniform_PC):
     def step(i, carry):
-      node, residual, walking, moved, path = carry
+      node, rejected, rejected_mass, walking, moved, path = carry
       depth, slot = i // num_slots, i % num_slots
       child = children_MC[node, slot]
       tried = walking & ~moved & (child >= 0)
       token = tokens_M[jnp.maximum(child, 0)]
-      mass = residual[token]
-      accepted = tried & (uniform_PC[depth, slot] * residual.sum() < mass)
-      rejected = tried & ~accepted
-      residual = residual.at[token].set(jnp.where(rejected, 0.0, mass))
-      residual = jnp.where(accepted, probs_MV[jnp.maximum(child, 0)], residual)
+      fresh = ~jnp.any(rejected == token)  # a rejected token has no mass left
+      mass = jnp.where(fresh, jnp.exp(logits_MV[node, token] - lse_M[node]), 0.0)
+      accepted = tried & (uniform_PC[depth, slot] * (1.0 - rejected_mass) < mass)
+      now_rejected = tried & ~accepted
+      rejected = rejected.at[slot].set(jnp.where(now_rejected, token, rejected[slot]))
+      rejected_mass = rejected_mass + jnp.where(now_rejected, mass, 0.0)
+      rejected = jnp.where(accepted, -1, rejected)  # a new node: a fresh residual
+      rejected_mass = jnp.where(accepted, 0.0, rejected_mass)
       node = jnp.where(accepted, child, node)
       path = path.at[depth + 1].set(node)
       moved = moved | accepted
       last_slot = slot == num_slots - 1
       walking = jnp.where(last_slot, walking & moved, walking)
       moved = jnp.where(last_slot, False, moved)
-      return node, residual, walking, moved, path
+      return node, rejected, rejected_mass, walking, moved, path
 
-    path = jnp.zeros((max_depth + 1,), jnp.int32)
-    if max_depth == 0:  # the root alone: plain decoding
-      return path, probs_MV[0]
-    carry = (jnp.int32(0), probs_MV[0], jnp.bool_(True), jnp.bool_(False), path)
-    _, residual, _, _, path = jax.lax.fori_loop(0, max_depth * num_slots, step, carry)
+    carry = (
+      jnp.int32(0),
+      jnp.full((num_slots,), -1, jnp.int32),
+      jnp.float32(0.0),
+      jnp.bool_(True),
+      jnp.bool_(False),
+      jnp.zeros((max_depth + 1,), jnp.int32),
+    )
+    if max_depth:  # else the root alone: plain decoding
+      carry = jax.lax.fori_loop(0, max_depth * num_slots, step, carry)
+    node, rejected, _, _, _, path = carry
+    residual = (
+      logits_MV[node].at[jnp.maximum(rejected, 0)].min(jnp.where(rejected >= 0, -jnp.inf, jnp.inf))
+    )
     return path, residual
 
-  path_BP1, residual_BV = jax.vmap(walk)(probs_BMV, node_tokens_BM, tree.children, uniform_BPC)
-  return path_BP1, categorical(bonus_key, jnp.log(residual_BV))
+  path_BP1, residual_BV = jax.vmap(walk)(
+    logits_BMV, lse_BM, node_tokens_BM, tree.children, uniform_BPC
+  )
+  return path_BP1, categorical(bonus_key, residual_BV)

@@ -52,7 +52,8 @@ class DecodeConfig:
     max_len: cache slots per sequence; 0 means prompt width + max_new_tokens + tree depth.
     pad_id: fills `DecodeOutput.tokens` past each sequence's length.
     num_draft: K, draft tokens per round; 0 means the drafter's own.
-    tree: tree name (`tree.parse`: chain, sparseN, dynamic:N, paths:...); "" is the drafter's.
+    tree: tree name (`tree.parse`: chain, sparseN, dynamic:N, paths:..., each optionally with
+      +lookup:L); "" is the drafter's.
     mesh: shard the batch and the caches over this mesh (parameters: `shard`); None is one
       device.
   """
