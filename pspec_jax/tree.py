@@ -12,18 +12,18 @@ draft probabilities along the node's path); because confidence never grows along
 kept set is a tree.
 
 Presets (`parse`): `chain` (K nodes in a line), `sparseN` (an N-node sparse tree) and
-`dynamic:N` (N nodes chosen per round from a 4N-node pool).
+`dynamic:N` (N nodes chosen per round from a 4N-node pool). Sparse trees and pools are grown
+best-first under a fixed prior on how often the rank-r candidate is right, the same idea as
+Medusa's calibrated trees: `RANK_PRIOR[r]`, one factor per step of the path. A tree can also be
+spelled out, `paths:0/0.0/1` (rank paths joined by `/`, ranks by `.`): `best` builds one from
+measured acceptance rates (`infer.tune_tree`), and `Tree.spec` writes one.
 
 *Lookup* (`+lookup:L` after any tree, e.g. `paths:0+lookup:4`): in rounds where the context's
 last 2 or 3 tokens occurred earlier in it, the tokens that followed them there (prompt lookup)
 become a chain of up to L more nodes below the root, tried before the drafter's own; other rounds
 verify the drafter's tree alone. Repetition (quoting the prompt, lists, code, the loops of a
 small model) is where a drafter guesses worst relative to copying, and a round pays for the
-chain only when it has one. Sparse trees and pools are grown
-best-first under a fixed prior on how often the rank-r candidate is right, the same idea as
-Medusa's calibrated trees: `RANK_PRIOR[r]`, one factor per step of the path. A tree can also be
-spelled out, `paths:0/0.0/1` (rank paths joined by `/`, ranks by `.`): `best` builds one from
-measured acceptance rates (`infer.tune_tree`), and `Tree.spec` writes one.
+chain only when it has one.
 """
 
 import dataclasses

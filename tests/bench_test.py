@@ -192,7 +192,7 @@ def test_a_real_run_writes_results_report_and_plots(tmp_path):
     assert r["tokens_per_s"] > 0 and 0 < r["tokens"] <= 2 * 8
   assert rows["none"]["lossless"] is True and rows["pspec"]["lossless"] is True
   assert isinstance(rows["hf"]["lossless"], bool)
-  depth = tree_lib.parse(rows["pspec"]["tree"], rows["pspec"]["num_draft"]).depth
+  depth = tree_lib.parse(rows["pspec"]["tree"], rows["pspec"]["num_draft"]).max_depth
   assert rows["pspec"]["tau"] >= 1 and len(rows["pspec"]["accept_per_depth"]) == depth
   shares = [rows["pspec"][k] for k in ("draft_share", "verify_share", "commit_share")]
   assert sum(shares) == pytest.approx(1.0) and min(shares) > 0

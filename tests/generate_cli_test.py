@@ -46,6 +46,10 @@ def test_mt_bench_questions_are_read_first_turn():
       ["--prompt=hi", "--method=eagle", "--drafter=random", "--tree=bushy"],
       "error: unknown tree 'bushy'",
     ),
+    (
+      ["--prompt=hi", "--method=pspec", "--drafter=random", "--tree=chain+lookup:0"],
+      "error: bad lookup '0'",
+    ),
     (["--prompt=hi", "--method=pspec", "--drafter=/nonexistent"], "error: drafter not found"),
     (["--prompt=hi", "--mesh=model=2"], "error: bad mesh 'model=2'"),
     (["--prompt=hi", "--mesh=data=2,tensor=2"], "error: mesh {'data': 2, 'fsdp': 1, 'tensor': 2}"),
