@@ -12,7 +12,9 @@ head (passed in at apply time, never part of the drafter's parameters):
   tree node's pair is (g of its parent, its token); the tree is drafted level by level.
 - `medusa`: K residual heads on the last feature; head d predicts x_{t+d+1} from f_t.
 - `pld`: prompt lookup, no parameters: the continuation of the longest most recent n-gram
-  match of the sequence's suffix.
+  match of the sequence's suffix. Decoded with a drafted tree (`chain`) it is verified every
+  round; the command-line default, the tree `lookup`, verifies it only in rounds with a match
+  (the same lookup chain any drafter's tree can add, `tree.py`).
 
 Each round `propose` consumes the pairs accepted since the last round (the last one holds the
 bonus token) and returns a token and a draft log-probability for every node of the tree pool.

@@ -176,7 +176,8 @@ def resolve_drafter(
   if method == "none":
     return None
   if method == "pld":
-    cfg = DrafterConfig.for_target("pld", target.cfg, num_draft=num_draft)
+    # Prompt lookup verifies its K tokens only in rounds that found a match (`tree.parse`).
+    cfg = DrafterConfig.for_target("pld", target.cfg, num_draft=num_draft, tree="lookup")
     return Drafter(cfg=cfg, params={})
   if spec == "random":
     return random_drafter(method, target, jax.random.key(seed), num_draft=num_draft)

@@ -18,12 +18,13 @@ Medusa's calibrated trees: `RANK_PRIOR[r]`, one factor per step of the path. A t
 spelled out, `paths:0/0.0/1` (rank paths joined by `/`, ranks by `.`): `best` builds one from
 measured acceptance rates (`infer.tune_tree`), and `Tree.spec` writes one.
 
-*Lookup* (`+lookup:L` after any tree, e.g. `paths:0+lookup:4`): in rounds where the context's
+*Lookup* (`+lookup:L` after any tree, e.g. `paths:0+lookup:4`; `lookup:L` alone, or `lookup`
+for L = K, which is how the `pld` drafter decodes by default): in rounds where the context's
 last 2 or 3 tokens occurred earlier in it, the tokens that followed them there (prompt lookup)
-become a chain of up to L more nodes below the root, tried before the drafter's own; other rounds
-verify the drafter's tree alone. Repetition (quoting the prompt, lists, code, the loops of a
-small model) is where a drafter guesses worst relative to copying, and a round pays for the
-chain only when it has one.
+become a chain of up to L more nodes below the root, tried before the drafter's own; other
+rounds verify the drafter's tree alone. Repetition (quoting the prompt, lists, code, the loops
+of a small model) is where a drafter guesses worst relative to copying, and a round pays for
+the chain only when it has one.
 """
 
 import dataclasses
@@ -104,6 +105,8 @@ class Tree:
     if self.budget:
       raise ValueError("a dynamic tree has no explicit spelling; use its preset name")
     lookup = f"+lookup:{self.lookup}" if self.lookup else ""
+    if not self.paths:
+      return lookup.removeprefix("+") if lookup else "paths:"
     return "paths:" + "/".join(".".join(map(str, p)) for p in self.paths) + lookup
 
   @functools.cached_property
@@ -257,19 +260,25 @@ def _explicit(spec: str, num_draft: int) -> Tree:
 @functools.cache
 def parse(spec: str, num_draft: int) -> Tree:
   """A tree from its name: `chain`, `sparseN`, `dynamic:N` (N nodes, root included) or
-  `paths:0/0.0/1` (the explicit rank paths), any of them followed by `+lookup:L`.
+  `paths:0/0.0/1` (the explicit rank paths), any of them followed by `+lookup:L`; or
+  `lookup:L`, the lookup chain alone (no drafted nodes), `lookup` for L = K.
 
   Drafted trees never go deeper than `num_draft` (K), the draft tokens proposed per round.
   """
   if num_draft < 1:
     raise ValueError(f"num_draft (K) must be >= 1, got {num_draft}")
-  spec, lookup_sep, lookup = spec.partition("+lookup:")
-  if lookup_sep:
+  if spec == "lookup":  # no drafted nodes: a lookup chain of K
+    return dataclasses.replace(ROOT_ONLY, lookup=num_draft)
+  if spec.startswith("lookup:"):  # no drafted nodes: the lookup chain alone
+    base, lookup = "", spec.removeprefix("lookup:")
+  else:
+    base, lookup_sep, lookup = spec.partition("+lookup:")
+    if not lookup_sep:
+      lookup = None
+  if lookup is not None:
     if not lookup.isdigit() or int(lookup) < 1:
-      raise ValueError(
-        f"bad lookup {lookup!r} in tree '{spec}+lookup:{lookup}': write +lookup:L, L >= 1"
-      )
-    return dataclasses.replace(parse(spec, num_draft), lookup=int(lookup))
+      raise ValueError(f"bad lookup {lookup!r} in tree {spec!r}: write +lookup:L with L >= 1")
+    return dataclasses.replace(parse(base, num_draft) if base else ROOT_ONLY, lookup=int(lookup))
   if spec == "chain":
     return chain(num_draft)
   if spec.startswith("paths:"):

@@ -184,6 +184,7 @@ def test_resolve_none_and_pld(target):
   assert drafter_files.resolve_drafter("none", None, target) is None
   pld = drafter_files.resolve_drafter("pld", None, target, num_draft=6)
   assert (pld.cfg.kind, pld.cfg.num_draft, pld.params) == ("pld", 6, {})
+  assert pld.cfg.tree == "lookup"  # K lookup tokens, verified only in rounds with a match
   with pytest.raises(ValueError, match="unknown method 'beam'"):
     drafter_files.resolve_drafter("beam", None, target)
 

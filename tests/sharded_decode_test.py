@@ -28,11 +28,11 @@ def target():
 
 
 @pytest.mark.parametrize("mesh_shape", [dict(data=1, tensor=8), dict(data=2, tensor=4)])
-@pytest.mark.parametrize("kind", [None, "pspec"])
-def test_sharded_greedy_decoding_gives_the_single_device_tokens(target, mesh_shape, kind):
+@pytest.mark.parametrize("kind,tree", [(None, ""), ("pspec", ""), ("pspec", "paths:0+lookup:4")])
+def test_sharded_greedy_decoding_gives_the_single_device_tokens(target, mesh_shape, kind, tree):
   drafter = None if kind is None else drafter_for(kind, target, num_draft=3)
   tokens, lengths = padded(PROMPTS)
-  cfg = decode.DecodeConfig(max_new_tokens=20, num_draft=3 if kind else 0)
+  cfg = decode.DecodeConfig(max_new_tokens=20, num_draft=3 if kind else 0, tree=tree)
   key = jax.random.key(0)
   single = jax.device_get(decode.generate(target, tokens, lengths, key, cfg, drafter))
 
@@ -40,13 +40,16 @@ def test_sharded_greedy_decoding_gives_the_single_device_tokens(target, mesh_sha
   sharded_target, sharded_drafter = decode.shard(mesh, target, drafter)
   q = sharded_target.params["layers_0"]["attn"]["q"]
   assert q.sharding.spec == PartitionSpec(None, "tensor", None)
-  mesh_cfg = decode.DecodeConfig(max_new_tokens=20, num_draft=3 if kind else 0, mesh=mesh)
+  mesh_cfg = decode.DecodeConfig(
+    max_new_tokens=20, num_draft=3 if kind else 0, tree=tree, mesh=mesh
+  )
   out = jax.device_get(
     decode.generate(sharded_target, tokens, lengths, key, mesh_cfg, sharded_drafter)
   )
   np.testing.assert_array_equal(out.tokens, single.tokens)
   np.testing.assert_array_equal(out.lengths, single.lengths)
   np.testing.assert_array_equal(out.rounds, single.rounds)
+  np.testing.assert_array_equal(out.accepted_per_depth, single.accepted_per_depth)
 
   # The cache lives split over batch (data) and kv heads (tensor, when it divides them).
   state = jax.jit(decode.init, static_argnames="cfg")(

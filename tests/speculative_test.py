@@ -384,7 +384,9 @@ def test_generate_under_a_users_jit_with_batch_sharded_inputs(target):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("tree", ["paths:0+lookup:4", "sparse8+lookup:2", "dynamic:6+lookup:3"])
+@pytest.mark.parametrize(
+  "tree", ["paths:0+lookup:4", "sparse8+lookup:2", "dynamic:6+lookup:3", "lookup:3"]
+)
 def test_lookup_chains_stay_lossless_and_are_accepted(target, kind, tree):
   tokens, lengths = padded(PROMPTS)
   cfg = decode.DecodeConfig(max_new_tokens=24, eos_ids=(3,), tree=tree)

@@ -359,8 +359,16 @@ def test_lookup_suffix_adds_a_chain_to_any_tree(spec):
     assert tree_lib.parse(tree.spec, 3) == tree  # the spelling reads back, lookup included
 
 
+def test_lookup_alone_has_no_drafted_nodes():
+  alone = tree_lib.parse("lookup:5", 3)
+  assert alone == Tree(paths=(), lookup=5) and alone.num_verified == 6
+  assert alone.depth == 0 and alone.max_depth == 5 and alone.spec == "lookup:5"
+  assert tree_lib.parse(alone.spec, 3) == alone
+  assert tree_lib.parse("lookup", 3) == Tree(paths=(), lookup=3)  # L = K
+
+
 @pytest.mark.parametrize(
-  "spec", ["chain+lookup:0", "chain+lookup:", "chain+lookup:x", "x+lookup:2"]
+  "spec", ["chain+lookup:0", "chain+lookup:", "chain+lookup:x", "x+lookup:2", "lookup:0", "lookup:"]
 )
 def test_bad_lookup_suffixes_raise(spec):
   with pytest.raises(ValueError, match="lookup|unknown tree"):
