@@ -275,7 +275,7 @@ def dry_run(config) -> str:
   drafters = [drafter_lib.DrafterConfig.for_target(kind, target, num_draft=k) for kind in kinds]
   specs = [t or "chain" for t in _values(config.tree, str)]
   largest = max(specs, key=lambda t: tree_lib.parse(t, k).num_verified)
-  largest_tree = tree_lib.parse(largest, k)
+  deepest = max(tree_lib.parse(t, k).max_depth for t in specs)
   shape = dict(
     batch=max(_values(config.batch_size, int)),
     prompt_width=data.bucket(config.max_prompt_tokens),
@@ -286,8 +286,8 @@ def dry_run(config) -> str:
     target,
     drafters,
     **shape,
-    tree_nodes=largest_tree.num_verified,
-    tree_depth=largest_tree.max_depth,
+    tree_nodes=tree_lib.parse(largest, k).num_verified,
+    tree_depth=deepest,
     hardware=config.hardware,
     mesh=mesh,
   )

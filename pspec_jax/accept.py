@@ -102,7 +102,8 @@ def sampling_walk(logits_BMV, node_tokens_BM, tree, max_depth, key, cfg):
       token = tokens_M[jnp.maximum(child, 0)]
       fresh = ~jnp.any(rejected == token)  # a rejected token has no mass left
       mass = jnp.where(fresh, jnp.exp(logits_MV[node, token] - lse_M[node]), 0.0)
-      accepted = tried & (uniform_PC[depth, slot] * (1.0 - rejected_mass) < mass)
+      # mass > 0: rounding may leave 1 - rejected_mass a few ulps off the exact remainder.
+      accepted = tried & (mass > 0) & (uniform_PC[depth, slot] * (1.0 - rejected_mass) < mass)
       now_rejected = tried & ~accepted
       rejected = rejected.at[slot].set(jnp.where(now_rejected, token, rejected[slot]))
       rejected_mass = rejected_mass + jnp.where(now_rejected, mass, 0.0)
@@ -130,6 +131,9 @@ def sampling_walk(logits_BMV, node_tokens_BM, tree, max_depth, key, cfg):
     residual = (
       logits_MV[node].at[jnp.maximum(rejected, 0)].min(jnp.where(rejected >= 0, -jnp.inf, jnp.inf))
     )
+    # In exact arithmetic the last child holding all the remaining mass is always accepted;
+    # if rounding rejected it, nothing is left: draw from the node's distribution instead.
+    residual = jnp.where(jnp.isfinite(residual).any(), residual, logits_MV[node])
     return path, residual
 
   path_BP1, residual_BV = jax.vmap(walk)(

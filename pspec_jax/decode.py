@@ -49,7 +49,8 @@ class DecodeConfig:
     max_new_tokens: generation budget per sequence, EOS included.
     sampling: greedy (default) or temperature / top-k / top-p sampling.
     eos_ids: token ids that end a sequence (it is kept in the output).
-    max_len: cache slots per sequence; 0 means prompt width + max_new_tokens + tree depth.
+    max_len: cache slots per sequence; 0 means prompt width + max_new_tokens + the longest
+      path a round can accept (`Tree.max_depth`).
     pad_id: fills `DecodeOutput.tokens` past each sequence's length.
     num_draft: K, draft tokens per round; 0 means the drafter's own.
     tree: tree name (`tree.parse`: chain, sparseN, dynamic:N, paths:..., each optionally with

@@ -275,8 +275,10 @@ def parse(spec: str, num_draft: int) -> Tree:
     base, lookup_sep, lookup = spec.partition("+lookup:")
     if not lookup_sep:
       lookup = None
+    elif not base or "lookup" in base:
+      raise ValueError(f"unknown tree {spec!r}: write <tree>+lookup:L, or lookup:L alone")
   if lookup is not None:
-    if not lookup.isdigit() or int(lookup) < 1:
+    if not re.fullmatch(r"[0-9]+", lookup) or int(lookup) < 1:
       raise ValueError(f"bad lookup {lookup!r} in tree {spec!r}: write +lookup:L with L >= 1")
     return dataclasses.replace(parse(base, num_draft) if base else ROOT_ONLY, lookup=int(lookup))
   if spec == "chain":

@@ -208,3 +208,27 @@ def test_root_only_sampling_follows_the_target():
   target = np.asarray(jax.nn.softmax(filtered_logits(logits, cfg), axis=-1))[0]
   assert (target == 0).sum() == 1
   assert_follows(np.asarray(bonus), target.astype(np.float64), "root-only bonus")
+
+
+def test_sampling_stays_in_the_support_when_rounding_rejects_every_child(monkeypatch):
+  # top-k 2: tokens 2 and 3 hold all the mass. With the largest uniform, 1 - p(2) computed in
+  # float32 can exceed p(3), so rounding may reject a child that exact arithmetic accepts, and
+  # nothing is left to draw the bonus from; the emitted token must still be 2 or 3.
+  cfg = SamplingConfig(temperature=1.0, top_k=2)
+  rng = np.random.default_rng(0)
+  largest = jnp.float32(1 - 2**-23)
+  for _ in range(20000):
+    row = np.array([-5.0, -6.0, rng.normal() * 3, rng.normal() * 3], np.float32)
+    kept = filtered_logits(jnp.asarray(row)[None], cfg)[0]
+    p = np.asarray(jnp.exp(kept - jax.nn.logsumexp(kept)))
+    if largest * (1 - p[2]) >= p[3]:
+      break
+  else:
+    pytest.skip("no float32 corner case found")
+  tokens = [0, 2, 3, 0]  # root children: tokens 2, 3 and 0 (which has no mass)
+  arrays = tree_lib.batched(Tree(paths=((0,), (1,), (2,))), 1)
+  logits = jnp.zeros((1, 4, 4)).at[0, 0].set(row)
+  monkeypatch.setattr(jax.random, "uniform", lambda key, shape, *a, **k: jnp.full(shape, largest))
+  path, num_accepted, bonus = accept(logits, jnp.asarray([tokens]), arrays, 1, KEY, cfg)
+  emitted = tokens[int(path[0, 1])] if int(num_accepted[0]) else int(bonus[0])
+  assert emitted in (2, 3)

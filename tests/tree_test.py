@@ -368,7 +368,18 @@ def test_lookup_alone_has_no_drafted_nodes():
 
 
 @pytest.mark.parametrize(
-  "spec", ["chain+lookup:0", "chain+lookup:", "chain+lookup:x", "x+lookup:2", "lookup:0", "lookup:"]
+  "spec",
+  [
+    "chain+lookup:0",
+    "chain+lookup:",
+    "chain+lookup:x",
+    "x+lookup:2",
+    "lookup:0",
+    "lookup:",
+    "+lookup:3",
+    "lookup+lookup:2",
+    "chain+lookup:\u00b2",
+  ],
 )
 def test_bad_lookup_suffixes_raise(spec):
   with pytest.raises(ValueError, match="lookup|unknown tree"):
