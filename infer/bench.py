@@ -274,8 +274,8 @@ def dry_run(config) -> str:
   k = max(ks) or 4
   drafters = [drafter_lib.DrafterConfig.for_target(kind, target, num_draft=k) for kind in kinds]
   specs = [t or "chain" for t in _values(config.tree, str)]
-  largest = max(specs, key=lambda t: tree_lib.parse(t, k).num_verified)
-  deepest = max(tree_lib.parse(t, k).max_depth for t in specs)
+  trees = [tree_lib.parse(t, k) for t in specs]
+  largest = max(zip(specs, trees, strict=True), key=lambda st: st[1].num_verified)[0]
   shape = dict(
     batch=max(_values(config.batch_size, int)),
     prompt_width=data.bucket(config.max_prompt_tokens),
@@ -286,8 +286,8 @@ def dry_run(config) -> str:
     target,
     drafters,
     **shape,
-    tree_nodes=tree_lib.parse(largest, k).num_verified,
-    tree_depth=deepest,
+    tree_nodes=max(t.num_verified for t in trees),
+    tree_depth=max(t.max_depth for t in trees),
     hardware=config.hardware,
     mesh=mesh,
   )
