@@ -320,7 +320,7 @@ def run(config, progress=True) -> dict:
   mesh = sharding.make_mesh(**sharding.parse_mesh(config.mesh)) if config.mesh else None
   dtype = jax.numpy.dtype(config.dtype)
   target = checkpoints.load_target(
-    config.target, dtype=dtype, param_dtype=dtype, scan_layers=False, mesh=mesh
+    config.target, dtype=dtype, param_dtype=dtype, scan_layers=False, untie_head=True, mesh=mesh
   )
   drafters, drafter_meta = {}, {}
   for method in methods:

@@ -87,7 +87,7 @@ def run():
   tokenizer = checkpoints.load_tokenizer(FLAGS.target)
   prompts = data.prompt_set("mt_bench", FLAGS.num_prompts)
   encoded = [data.encode_prompt(tokenizer, p, tokenizer.chat_template is not None) for p in prompts]
-  target = checkpoints.load_target(FLAGS.target, scan_layers=False)
+  target = checkpoints.load_target(FLAGS.target, scan_layers=False, untie_head=True)
   cfg = decode.DecodeConfig(
     max_new_tokens=FLAGS.max_new_tokens,
     eos_ids=checkpoints.eos_token_ids(FLAGS.target, tokenizer),

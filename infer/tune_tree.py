@@ -156,7 +156,7 @@ def run():
   prompts = [ids for ids in encoded if len(ids) <= FLAGS.max_prompt_tokens][: FLAGS.num_prompts]
   if not prompts:
     raise ValueError(f"no prompt of {FLAGS.prompts} fits --max_prompt_tokens")
-  target = checkpoints.load_target(FLAGS.target, scan_layers=False)
+  target = checkpoints.load_target(FLAGS.target, scan_layers=False, untie_head=True)
   drafter = drafter_files.resolve_drafter(
     FLAGS.method, FLAGS.drafter, target, num_draft=FLAGS.num_draft
   )

@@ -1,7 +1,7 @@
 """pspec_jax: ParallelSpec speculative decoding for Llama-family targets in JAX/Flax.
 
   from pspec_jax import checkpoints, decode, drafter_files
-  target = checkpoints.load_target("smollm2-135m-instruct", scan_layers=False)
+  target = checkpoints.load_target("smollm2-135m-instruct", scan_layers=False, untie_head=True)
   drafter = drafter_files.load_drafter("path/to/drafter", target)  # or None: plain decoding
   out = decode.generate(target, prompt_tokens, prompt_lengths, jax.random.key(0),
                         decode.DecodeConfig(max_new_tokens=64, tree="sparse16"), drafter)

@@ -391,27 +391,40 @@ def load_target(
   dtype=jnp.float32,
   param_dtype=jnp.float32,
   scan_layers: bool = True,
+  untie_head: bool = False,
   mesh: Mesh | None = None,
 ) -> Target:
   """Loads a target by name, HF directory or .gguf path. One ValueError for any bad input.
 
   `scan_layers=False` gives per-layer parameters (see `LlamaConfig.scan_layers`), the faster
-  layout for decoding on CPU. With a `mesh`, every tensor goes straight from the file to its
-  shards (`sharding.RULES`), so the host never holds more than one layer.
+  layout for decoding on CPU. `untie_head=True` stores a tied LM head as its own [D, V] copy
+  of the embedding (one more V x D array): XLA:CPU reads that layout faster when the target
+  verifies several tokens (SmolLM2-135M, 2 tokens: 17.6-18.0 ms a pass against 18.7). With a
+  `mesh`, every tensor goes straight from the file to its shards (`sharding.RULES`), so the
+  host never holds more than one layer.
   """
   source = resolve_target(spec)
   overrides = dict(dtype=dtype, param_dtype=param_dtype, scan_layers=scan_layers)
   if source.kind == "gguf":
     reader = _gguf_reader(source.path)
     cfg = _gguf_config(reader, source.name, **overrides)
-    params = params_from_hf(cfg, _gguf_tensors(reader, cfg), _placer(cfg, mesh))
+    get = _gguf_tensors(reader, cfg)
   else:
     cfg = load_target_config(spec, **overrides)
-    params = params_from_hf(cfg, _hf_tensors(source.path).__getitem__, _placer(cfg, mesh))
+    get = _hf_tensors(source.path).__getitem__
+  if untie_head and cfg.tie_embeddings:
+    cfg = cfg.replace(tie_embeddings=False)
+    get = _head_from_embedding(get)
+  params = params_from_hf(cfg, get, _placer(cfg, mesh))
   if mesh is not None and scan_layers:
     # Stacked on device from the per-layer shards; now laid out as the scanned tree's rules say.
     params = jax.device_put(params, sharding.param_shardings(llama.init_boxed, cfg, mesh))
   return Target(cfg=cfg, params=params)
+
+
+def _head_from_embedding(get: Callable[[str], np.ndarray]) -> Callable[[str], np.ndarray]:
+  """A tied model's tensors read as an untied one's: its LM head is the embedding."""
+  return lambda name: get("model.embed_tokens.weight" if name == "lm_head.weight" else name)
 
 
 def load_target_config(spec: str, **overrides) -> LlamaConfig:

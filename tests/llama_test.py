@@ -69,6 +69,22 @@ def test_logits_match_hf_transformers(tmp_path, name):
   np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("name", ["mha_tied", "gqa_untied"])
+def test_untie_head_gives_the_same_model_with_its_own_lm_head(tmp_path, name):
+  model = save_hf_llama(tmp_path, **HF_CONFIGS[name])
+  target = checkpoints.load_target(str(tmp_path), scan_layers=False, untie_head=True)
+  assert not target.cfg.tie_embeddings
+  if name == "mha_tied":  # a copy of the embedding, in the [D, V] layout of an untied head
+    np.testing.assert_array_equal(target.params["lm_head"], target.params["embedding"].T)
+  tokens = np.random.default_rng(3).integers(0, 96, (2, 20))
+  np.testing.assert_allclose(
+    full_forward_logits(target, tokens), hf_logits(model, tokens), atol=1e-4, rtol=0
+  )
+  tied = checkpoints.load_target(str(tmp_path))
+  ids = jnp.array([5, 0, 77])
+  np.testing.assert_array_equal(target.head_rows(ids), tied.head_rows(ids))
+
+
 def test_bfloat16_checkpoint_loads(tmp_path):
   save_hf_llama(tmp_path, dtype=torch.bfloat16, **HF_CONFIGS["gqa_untied"])
   target = checkpoints.load_target(str(tmp_path))
