@@ -26,7 +26,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   config.temperature = "0"  # list
   config.batch_size = "1"  # list
   config.num_draft = ""  # list of K; "" is each drafter's own
-  # list of trees (chain, sparseN, dynamic:N, paths:..., each with an optional +lookup:L);
+  # list of trees (chain, sparseN, dynamic:N, paths:..., each with optional +min:P and +lookup:L);
   # "" is each drafter's
   config.tree = ""
   config.drafter_dir = ""  # a directory of <kind>/ drafters; "" is the ones shipped for target

@@ -150,8 +150,8 @@ def define_flags():
   flags.DEFINE_string(
     "tree",
     None,
-    "Tree: chain, sparseN, dynamic:N or paths:0/0.0/1, each with an optional +lookup:L "
-    "(default: the drafter's).",
+    "Tree: chain, sparseN, dynamic:N or paths:0/0.0/1, each with an optional gate +min:P, "
+    "then +lookup:L (default: the drafter's).",
   )
   flags.DEFINE_string(
     "mesh", "", "Shard over a device mesh, e.g. data=2,tensor=4 (default: one device)."

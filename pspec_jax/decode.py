@@ -4,10 +4,12 @@ State between rounds: the target cache holds x_1..x_n; the *bonus* token x_{n+1}
 p_n, is known but not yet in the cache, and the drafter's proposals for the next round are
 ready. A round
 
-1. builds the token tree (static, or the most confident nodes of a dynamic pool), with a chain
-   of prompt-lookup nodes below the root when the tree asks for one and the context repeats,
+1. builds the token tree (static, or the most confident nodes of a dynamic pool; a gated tree
+   cuts drafted nodes of low draft confidence), with a chain of prompt-lookup nodes below the
+   root when the tree asks for one and the context repeats,
 2. verifies it: one target pass over the M nodes at positions n+1+depth, tree mask + cache
-   (a round without a lookup chain verifies the drafted nodes alone),
+   (parts of the tree that no sequence has this round, a lookup chain or gated drafts, are
+   left out of the pass),
 3. accepts a path and a new bonus token (`accept.accept`), greedy or lossless sampling,
 4. commits the path's keys/values into contiguous cache slots and its tokens (cut at EOS and
    at the token budget), and
@@ -24,6 +26,7 @@ rules of training (`sharding.RULES`: heads, MLP width and vocabulary over `tenso
 """
 
 import dataclasses
+import functools
 from collections.abc import Iterator
 
 import jax
@@ -54,7 +57,7 @@ class DecodeConfig:
     pad_id: fills `DecodeOutput.tokens` past each sequence's length.
     num_draft: K, draft tokens per round; 0 means the drafter's own.
     tree: tree name (`tree.parse`: chain, sparseN, dynamic:N, paths:..., each optionally with
-      +lookup:L); "" is the drafter's.
+      a gate +min:P and +lookup:L); "" is the drafter's.
     mesh: shard the batch and the caches over this mesh (parameters: `shard`); None is one
       device.
   """
@@ -236,39 +239,64 @@ def init(
 
 
 def verify(target: Target, state: DecodeState, cfg: DecodeConfig, drafter=None) -> Verified:
-  """Steps 1-2: builds this round's tree and runs the target over its nodes."""
+  """Steps 1-2: builds this round's tree and runs the target over its nodes.
+
+  The target runs over the nodes some sequence can accept: a gated tree (`+min:P`) whose drafted
+  nodes every sequence cut, or a lookup chain no sequence found, is left out of the pass (its
+  outputs are zeros, never read), so such rounds cost what the rest of the tree costs.
+  """
   pool = pool_tree(cfg, drafter)
   batch = state.tokens.shape[0]
   n = state.cache.lengths
   bonus = state.tokens[jnp.arange(batch), n]
   node_tokens = state.node_tokens.at[:, 0].set(bonus)
+  node_logp = state.node_logp
   if pool.budget:
-    kept, tree = tree_lib.select_dynamic(pool, state.node_logp)
+    kept, tree = tree_lib.select_dynamic(pool, node_logp)
     node_tokens = jnp.take_along_axis(node_tokens, kept, axis=1)
+    node_logp = jnp.take_along_axis(node_logp, kept, axis=1)
   else:
     tree = tree_lib.batched(pool, batch)
+  drafted = node_tokens.shape[1]
+  # Each part of the tree that a round may leave out: its nodes, and whether this round has it.
+  parts = []
+  if pool.min_prob:
+    tree = tree_lib.gated(tree, node_logp, pool.min_prob)
+    parts.append((range(1, drafted), jnp.any(tree.children[:, 0] >= 0)))
+  if pool.lookup:
+    lookup_tokens, ok = pld_candidates(
+      state.tokens, state.num_tokens, pool.lookup, LOOKUP_NGRAMS[1], LOOKUP_NGRAMS[0]
+    )
+    node_tokens = jnp.concatenate([node_tokens, lookup_tokens], axis=1)
+    tree = tree_lib.with_lookup(tree, ok)
+    parts.append((range(drafted, drafted + pool.lookup), jnp.any(ok[:, 0])))
+  num_nodes = node_tokens.shape[1]
 
-  def run(node_tokens, tree):
-    features, kv = target(node_tokens, n[:, None] + tree.depth, state.cache, tree.ancestors)
-    return features, kv, target.logits(features)
+  def run(nodes):  # the target over these nodes (closed under ancestors); zeros elsewhere
+    index = np.asarray(nodes)
+    ancestors = tree.ancestors[:, index][:, :, index]
+    features, kv = target(
+      node_tokens[:, index], n[:, None] + tree.depth[:, index], state.cache, ancestors
+    )
+    out = features, kv, target.logits(features)
+    if len(index) == num_nodes:
+      return out
+    return jax.tree.map(lambda x, axis: _spread(x, axis, index, num_nodes), out, (1, (2, 2), 1))
 
-  if not pool.lookup:
-    features, kv, logits = run(node_tokens, tree)
-    return Verified(tree=tree, node_tokens=node_tokens, features=features, kv=kv, logits=logits)
-  drafted, drafted_tree = node_tokens.shape[1], tree
-  lookup_tokens, ok = pld_candidates(
-    state.tokens, state.num_tokens, pool.lookup, LOOKUP_NGRAMS[1], LOOKUP_NGRAMS[0]
-  )
-  node_tokens = jnp.concatenate([node_tokens, lookup_tokens], axis=1)
-
-  def drafted_only():  # no sequence found a lookup: its chain nodes are cut, skip them
-    out = run(node_tokens[:, :drafted], drafted_tree)
-    return jax.tree.map(lambda x, axis: _pad_axis(x, axis, pool.lookup), out, (1, (2, 2), 1))
-
-  tree = tree_lib.with_lookup(tree, ok)
-  features, kv, logits = jax.lax.cond(
-    jnp.any(ok[:, 0]), lambda: run(node_tokens, tree), drafted_only
-  )
+  optional = {i for nodes, _ in parts for i in nodes}
+  always = [i for i in range(num_nodes) if i not in optional]
+  # Branch k runs the parts whose bit is set in k; the round picks the parts it has.
+  branches = [
+    functools.partial(
+      run, always + [i for j, (nodes, _) in enumerate(parts) if k >> j & 1 for i in nodes]
+    )
+    for k in range(2 ** len(parts))
+  ]
+  if len(branches) == 1:
+    features, kv, logits = branches[0]()
+  else:
+    index = sum(has.astype(jnp.int32) << j for j, (_, has) in enumerate(parts))
+    features, kv, logits = jax.lax.switch(index, branches)
   return Verified(tree=tree, node_tokens=node_tokens, features=features, kv=kv, logits=logits)
 
 
@@ -277,8 +305,11 @@ def verify(target: Target, state: DecodeState, cfg: DecodeConfig, drafter=None) 
 LOOKUP_NGRAMS = (2, 3)
 
 
-def _pad_axis(x: jax.Array, axis: int, extra: int) -> jax.Array:
-  return jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)])
+def _spread(x: jax.Array, axis: int, index: np.ndarray, size: int) -> jax.Array:
+  """x placed at `index` along `axis` of a zero array `size` long there."""
+  shape = x.shape[:axis] + (size,) + x.shape[axis + 1 :]
+  where = (slice(None),) * axis + (index,)
+  return jnp.zeros(shape, x.dtype).at[where].set(x)
 
 
 def accept_path(state: DecodeState, verified: Verified, cfg: DecodeConfig, drafter=None):

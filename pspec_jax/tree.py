@@ -25,6 +25,12 @@ become a chain of up to L more nodes below the root, tried before the drafter's 
 rounds verify the drafter's tree alone. Repetition (quoting the prompt, lists, code, the loops
 of a small model) is where a drafter guesses worst relative to copying, and a round pays for
 the chain only when it has one.
+
+*Gate* (`+min:P` after a drafted tree, before any lookup: `paths:0+min:0.25+lookup:6`): a
+drafted node is verified only if its draft confidence is at least P; a round in which no
+sequence keeps one verifies without the drafted nodes. On a device where each verified node
+costs much (a CPU), rounds whose guesses are unlikely then cost little more than plain decoding.
+What the target verifies still decides every token, so decoding stays lossless.
 """
 
 import dataclasses
@@ -52,11 +58,13 @@ class Tree:
     paths: rank paths of the non-root nodes, sorted by (depth, path), prefix-closed.
     budget: 0 for a static tree; else the nodes (root included) kept per round from this pool.
     lookup: L, the most prompt-lookup nodes a round adds below the root (0: none).
+    min_prob: drafted nodes of lower draft confidence are not verified (0: all are).
   """
 
   paths: tuple[Path, ...]
   budget: int = 0
   lookup: int = 0
+  min_prob: float = 0.0
 
   def __post_init__(self):
     paths = tuple(tuple(int(r) for r in p) for p in self.paths)
@@ -73,6 +81,8 @@ class Tree:
       raise ValueError(f"dynamic tree budget {self.budget} must be in [1, {self.num_nodes}]")
     if self.lookup < 0:
       raise ValueError(f"lookup nodes must be >= 0, got {self.lookup}")
+    if not 0 <= self.min_prob < 1:
+      raise ValueError(f"min draft confidence must be in [0, 1), got {self.min_prob}")
 
   @property
   def num_nodes(self) -> int:
@@ -107,7 +117,8 @@ class Tree:
     lookup = f"+lookup:{self.lookup}" if self.lookup else ""
     if not self.paths:
       return lookup.removeprefix("+") if lookup else "paths:"
-    return "paths:" + "/".join(".".join(map(str, p)) for p in self.paths) + lookup
+    gate = f"+min:{self.min_prob!r}" if self.min_prob else ""
+    return "paths:" + "/".join(".".join(map(str, p)) for p in self.paths) + gate + lookup
 
   @functools.cached_property
   def arrays(self) -> "TreeArrays":
@@ -260,8 +271,8 @@ def _explicit(spec: str, num_draft: int) -> Tree:
 @functools.cache
 def parse(spec: str, num_draft: int) -> Tree:
   """A tree from its name: `chain`, `sparseN`, `dynamic:N` (N nodes, root included) or
-  `paths:0/0.0/1` (the explicit rank paths), any of them followed by `+lookup:L`; or
-  `lookup:L`, the lookup chain alone (no drafted nodes), `lookup` for L = K.
+  `paths:0/0.0/1` (the explicit rank paths), any of them followed by a gate `+min:P`, then by
+  `+lookup:L`; or `lookup:L`, the lookup chain alone (no drafted nodes), `lookup` for L = K.
 
   Drafted trees never go deeper than `num_draft` (K), the draft tokens proposed per round.
   """
@@ -279,8 +290,21 @@ def parse(spec: str, num_draft: int) -> Tree:
       raise ValueError(f"unknown tree {spec!r}: write <tree>+lookup:L, or lookup:L alone")
   if lookup is not None:
     if not re.fullmatch(r"[0-9]+", lookup) or int(lookup) < 1:
-      raise ValueError(f"bad lookup {lookup!r} in tree {spec!r}: write +lookup:L with L >= 1")
+      raise ValueError(
+        f"bad lookup {lookup!r} in tree {spec!r}: write +lookup:L with L >= 1, at the end"
+      )
     return dataclasses.replace(parse(base, num_draft) if base else ROOT_ONLY, lookup=int(lookup))
+  base, gate_sep, min_prob = spec.partition("+min:")
+  if gate_sep:
+    if not re.fullmatch(r"0?\.[0-9]+", min_prob) or not 0 < float(min_prob) < 1:
+      raise ValueError(
+        f"bad gate {min_prob!r} in tree {spec!r}: write <tree>+min:P with 0 < P < 1, e.g. "
+        "paths:0+min:0.25+lookup:6"
+      )
+    tree = parse(base, num_draft) if base and "+" not in base else ROOT_ONLY
+    if not tree.paths:
+      raise ValueError(f"unknown tree {spec!r}: +min:P follows a drafted tree, e.g. paths:0")
+    return dataclasses.replace(tree, min_prob=float(min_prob))
   if spec == "chain":
     return chain(num_draft)
   if spec.startswith("paths:"):
@@ -348,6 +372,25 @@ def with_lookup(tree: TreeArrays, ok_BL: jax.Array) -> TreeArrays:
   )
 
 
+def log_confidence(ancestors_BMM: jax.Array, node_logp_BM: jax.Array) -> jax.Array:
+  """[B, M] log draft confidence of every node: the draft log-probabilities along its path
+  summed (the root's entry is ignored; the root's confidence is 0)."""
+  # Impossible candidates (-inf) become very unlikely ones so that the sums stay finite.
+  logp = jnp.maximum(node_logp_BM.astype(jnp.float32), -1e4).at[:, 0].set(0.0)
+  # A masked sum, not a matmul: exact, whatever the matmul precision.
+  return jnp.where(ancestors_BMM, logp[:, None, :], 0.0).sum(-1)
+
+
+def gated(tree: TreeArrays, node_logp_BM: jax.Array, min_prob: float) -> TreeArrays:
+  """The batched tree without its nodes of draft confidence below `min_prob`: no parent links
+  to them (their descendants, never more confident, go with them)."""
+  keep_BM = log_confidence(tree.ancestors, node_logp_BM) >= math.log(min_prob)
+  kids = tree.children
+  batch = kids.shape[0]
+  kept_kid = jnp.take_along_axis(keep_BM, jnp.maximum(kids, 0).reshape(batch, -1), axis=1)
+  return tree.replace(children=jnp.where((kids >= 0) & kept_kid.reshape(kids.shape), kids, -1))
+
+
 def select_dynamic(pool: Tree, node_logp_BM: jax.Array) -> tuple[jax.Array, TreeArrays]:
   """Keeps the `pool.budget` most confident nodes of the pool, per sequence.
 
@@ -360,11 +403,8 @@ def select_dynamic(pool: Tree, node_logp_BM: jax.Array) -> tuple[jax.Array, Tree
     (kept_BM, arrays): kept pool-node indices in pool order (root first) and the kept tree.
   """
   a = pool.arrays
-  # Impossible candidates (-inf) become very unlikely ones so that the sums stay finite; top_k
-  # prefers the lower index on ties, and parents have lower indices than their children.
-  logp = jnp.maximum(node_logp_BM.astype(jnp.float32), -1e4).at[:, 0].set(0.0)
-  # Log of the product along each node's path (a masked sum: exact, whatever the matmul precision).
-  confidence = jnp.where(jnp.asarray(a.ancestors)[None], logp[:, None, :], 0.0).sum(-1)
+  # top_k prefers the lower index on ties, and parents have lower indices than their children.
+  confidence = log_confidence(jnp.asarray(a.ancestors)[None], node_logp_BM)
   confidence = confidence.at[:, 0].set(jnp.inf)
   kept = jnp.sort(jax.lax.top_k(confidence, pool.budget)[1], axis=-1).astype(jnp.int32)
 

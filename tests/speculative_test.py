@@ -189,6 +189,7 @@ def sample_many(target, drafter, prompt, cfg):
     ("medusa", "dynamic:5"),
     ("pld", "chain"),
     ("pspec", "paths:0+lookup:3"),
+    ("eagle", "sparse8+min:0.03+lookup:2"),  # depth-2 confidences spread around 0.03
   ],
 )
 def test_speculative_sampling_matches_the_target_distribution(kind, tree):
@@ -421,3 +422,47 @@ def test_a_round_without_a_lookup_match_verifies_the_drafted_tree_alone(target):
   assert verified.node_tokens[0, 2:].tolist() == [4, 6, 8]
   np.testing.assert_array_equal(verified.tree.children[0, 0], [2, 1])
   assert np.abs(np.asarray(verified.logits[:, 2:])).sum() > 0
+
+
+# --- gated trees -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["pspec", "eagle", "medusa"])
+@pytest.mark.parametrize(
+  # These random drafters' depth-1 confidence spreads around 0.076: rounds gate some sequences'
+  # drafts, all of them, or none.
+  "tree",
+  ["sparse8+min:0.076", "paths:0/1/0.0+min:0.076+lookup:3", "dynamic:6+min:0.0055"],
+)
+def test_gated_trees_stay_lossless(target, kind, tree):
+  tokens, lengths = padded(PROMPTS)
+  cfg = decode.DecodeConfig(max_new_tokens=24, eos_ids=(3,), tree=tree)
+  plain = decode.generate(target, tokens, lengths, jax.random.key(0), cfg)
+  spec = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter_for(kind, target))
+  assert spec.tokens.tolist() == plain.tokens.tolist()
+  assert spec.lengths.tolist() == plain.lengths.tolist()
+  np.testing.assert_allclose(spec.tau * spec.rounds, spec.lengths - 1, rtol=1e-6)
+
+
+def test_a_gated_round_leaves_unlikely_drafts_out_of_the_pass(target):
+  # No pair of tokens repeats, so no lookup chain: only the gate decides.
+  tokens, lengths = padded([[5, 6, 7, 8, 9]], width=8)
+  cfg = decode.DecodeConfig(max_new_tokens=1, tree="paths:0/1/0.0+min:0.3+lookup:3")
+  drafter = drafter_for("pspec", target).with_head(target)
+  state = decode.init(target, tokens, lengths, jax.random.key(0), cfg, drafter)
+  ungated = decode.verify(target, state, decode.DecodeConfig(tree="paths:0/1/0.0"), drafter)
+  # Nodes (0,), (1,), (0, 0): confidences 0.6, 0.2 and 0.6 * 0.4 = 0.24; the gate keeps (0,).
+  sure = state.replace(node_logp=jnp.log(jnp.asarray([[1.0, 0.6, 0.2, 0.4]])))
+  verified = decode.verify(target, sure, cfg, drafter)
+  np.testing.assert_array_equal(verified.tree.children[0, 0], [-1, 1, -1])  # no chain, no (1,)
+  np.testing.assert_array_equal(verified.tree.children[0, 1], [-1, -1, -1])  # no (0, 0)
+  np.testing.assert_allclose(verified.logits[:, :4], ungated.logits, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(verified.logits[:, 4:], 0)  # the chain's nodes never ran
+  # Every draft below 0.3: the pass runs the root alone, and the round keeps one token.
+  unsure = state.replace(node_logp=jnp.log(jnp.asarray([[1.0, 0.25, 0.2, 0.9]])))
+  verified = decode.verify(target, unsure, cfg, drafter)
+  assert (np.asarray(verified.tree.children[0, 0]) == -1).all()
+  np.testing.assert_allclose(verified.logits[:, 0], ungated.logits[:, 0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(verified.logits[:, 1:], 0)
+  _, num_accepted, _ = decode.accept_path(unsure, verified, cfg, drafter)
+  assert num_accepted.tolist() == [0]

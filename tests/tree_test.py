@@ -421,3 +421,64 @@ def test_with_lookup_matches_reference():
     assert np.asarray(got.depth[row]).tolist() == depth
     np.testing.assert_array_equal(got.ancestors[row], ancestors)
     assert [[int(c) for c in r if c >= 0] for r in np.asarray(got.children[row])] == children
+
+
+# --- gated trees -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", ["chain", "sparse8", "paths:0/1/0.0", "dynamic:6"])
+def test_min_suffix_gates_any_drafted_tree(spec):
+  base = tree_lib.parse(spec, 3)
+  tree = tree_lib.parse(f"{spec}+min:0.25+lookup:4", 3)
+  assert tree.paths == base.paths and tree.budget == base.budget
+  assert tree.min_prob == 0.25 and tree.lookup == 4
+  assert tree.num_verified == base.num_verified + 4  # the gate adds no nodes
+  if not base.budget:
+    assert tree.spec == f"{base.spec}+min:0.25+lookup:4"
+    assert tree_lib.parse(tree.spec, 3) == tree  # the spelling reads back, gate included
+  assert tree_lib.parse(f"{spec}+min:.05", 3).min_prob == 0.05
+
+
+@pytest.mark.parametrize(
+  "spec",
+  [
+    "chain+min:0",
+    "chain+min:1",
+    "chain+min:1.5",
+    "chain+min:",
+    "chain+min:x",
+    "chain+min:-0.2",
+    "chain+min:0.2+min:0.3",
+    "chain+lookup:3+min:0.2",  # the gate comes before the lookup
+    "+min:0.2",
+    "lookup+min:0.2",
+    "lookup:3+min:0.2",
+    "x+min:0.2",
+  ],
+)
+def test_bad_gates_raise(spec):
+  with pytest.raises(ValueError, match="gate|lookup|unknown tree"):
+    tree_lib.parse(spec, 3)
+
+
+def test_gated_cuts_the_nodes_below_the_confidence_reference():
+  tree = Tree(paths=IRREGULAR_PATHS)
+  rng = np.random.default_rng(0)
+  logp = np.log(rng.uniform(0.05, 1.0, (3, tree.num_nodes)))
+  got = tree_lib.gated(tree_lib.batched(tree, 3), jnp.asarray(logp), 0.2)
+  nodes = [(), *tree.paths]
+  full = reference_arrays(tree.paths)["children"]
+  kept = []
+  for row in range(3):
+    # A node stays iff the product of the draft probabilities along its path is >= 0.2.
+    confidence = np.array(
+      [
+        math.prod(math.exp(logp[row, nodes.index(p[:d])]) for d in range(1, len(p) + 1))
+        for p in nodes
+      ]
+    )
+    want = np.where((full >= 0) & (confidence[full] >= 0.2), full, -1)
+    np.testing.assert_array_equal(got.children[row], want)
+    kept.append((want >= 0).sum())
+  assert min(kept) > 0 and max(kept) < (full >= 0).sum()  # some nodes stay, some go
+  np.testing.assert_array_equal(got.ancestors, tree_lib.batched(tree, 3).ancestors)
