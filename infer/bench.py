@@ -400,7 +400,11 @@ def run(config, progress=True) -> dict:
   )
   if config.step_profile and "none" in methods:
     first = next(iter(prompts.values()))[0]
+    # What a step reads: every weight but the embedding table, of which it gathers a row,
+    # unless the table is the (tied) LM head too.
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(target.params))
+    if not target.cfg.tie_embeddings:
+      weight_bytes -= target.params["embedding"].nbytes
     step = decode_step_seconds(target, first, decode_config(settings[0]))
     floor = weight_bytes / copy_bandwidth(weight_bytes)
     meta.update(
