@@ -274,12 +274,13 @@ def verify(target: Target, state: DecodeState, cfg: DecodeConfig, drafter=None) 
 
   def run(nodes):  # the target over these nodes (closed under ancestors); zeros elsewhere
     index = np.asarray(nodes)
-    ancestors = tree.ancestors[:, index][:, :, index]
-    features, kv = target(
-      node_tokens[:, index], n[:, None] + tree.depth[:, index], state.cache, ancestors
-    )
+    whole = len(index) == num_nodes
+    tokens, depth, ancestors = node_tokens, tree.depth, tree.ancestors
+    if not whole:
+      tokens, depth, ancestors = tokens[:, index], depth[:, index], ancestors[:, index][:, :, index]
+    features, kv = target(tokens, n[:, None] + depth, state.cache, ancestors)
     out = features, kv, target.logits(features)
-    if len(index) == num_nodes:
+    if whole:
       return out
     return jax.tree.map(lambda x, axis: _spread(x, axis, index, num_nodes), out, (1, (2, 2), 1))
 

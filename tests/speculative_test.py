@@ -20,18 +20,24 @@ def target():
   return make_target(5.0)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("tree", ["chain", "sparse8", "dynamic:6"])
-def test_greedy_speculative_equals_plain_greedy(target, kind, tree):
+def assert_greedy_lossless(target, drafter, tree):
+  """Greedy decoding of PROMPTS with `drafter` on `tree` gives plain decoding's tokens, and tau
+  counts every token after the prefill's once; returns (config, plain, speculative) outputs."""
   tokens, lengths = padded(PROMPTS)
   cfg = decode.DecodeConfig(max_new_tokens=24, eos_ids=(3,), tree=tree)
   plain = decode.generate(target, tokens, lengths, jax.random.key(0), cfg)
-  spec = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter_for(kind, target))
+  spec = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter)
   assert spec.tokens.tolist() == plain.tokens.tolist()
   assert spec.lengths.tolist() == plain.lengths.tolist()
-  assert (spec.rounds <= plain.rounds).all()
-  # tau counts every token after the prefill's once.
   np.testing.assert_allclose(spec.tau * spec.rounds, spec.lengths - 1, rtol=1e-6)
+  return cfg, plain, spec
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("tree", ["chain", "sparse8", "dynamic:6"])
+def test_greedy_speculative_equals_plain_greedy(target, kind, tree):
+  _, plain, spec = assert_greedy_lossless(target, drafter_for(kind, target), tree)
+  assert (spec.rounds <= plain.rounds).all()
 
 
 @pytest.mark.parametrize("kind", ["pspec", "eagle", "medusa"])
@@ -389,14 +395,8 @@ def test_generate_under_a_users_jit_with_batch_sharded_inputs(target):
   "tree", ["paths:0+lookup:4", "sparse8+lookup:2", "dynamic:6+lookup:3", "lookup:3"]
 )
 def test_lookup_chains_stay_lossless_and_are_accepted(target, kind, tree):
-  tokens, lengths = padded(PROMPTS)
-  cfg = decode.DecodeConfig(max_new_tokens=24, eos_ids=(3,), tree=tree)
-  plain = decode.generate(target, tokens, lengths, jax.random.key(0), cfg)
   drafter = drafter_for(kind, target)
-  spec = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter)
-  assert spec.tokens.tolist() == plain.tokens.tolist()
-  assert spec.lengths.tolist() == plain.lengths.tolist()
-  np.testing.assert_allclose(spec.tau * spec.rounds, spec.lengths - 1, rtol=1e-6)
+  cfg, _, spec = assert_greedy_lossless(target, drafter, tree)
   pool = decode.pool_tree(cfg, drafter)
   assert spec.accepted_per_depth.shape == (len(PROMPTS), pool.max_depth)
   if pool.lookup > pool.depth:  # only a lookup chain reaches below the drafted tree
@@ -435,13 +435,7 @@ def test_a_round_without_a_lookup_match_verifies_the_drafted_tree_alone(target):
   ["sparse8+min:0.076", "paths:0/1/0.0+min:0.076+lookup:3", "dynamic:6+min:0.0055"],
 )
 def test_gated_trees_stay_lossless(target, kind, tree):
-  tokens, lengths = padded(PROMPTS)
-  cfg = decode.DecodeConfig(max_new_tokens=24, eos_ids=(3,), tree=tree)
-  plain = decode.generate(target, tokens, lengths, jax.random.key(0), cfg)
-  spec = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter_for(kind, target))
-  assert spec.tokens.tolist() == plain.tokens.tolist()
-  assert spec.lengths.tolist() == plain.lengths.tolist()
-  np.testing.assert_allclose(spec.tau * spec.rounds, spec.lengths - 1, rtol=1e-6)
+  assert_greedy_lossless(target, drafter_for(kind, target), tree)
 
 
 def test_a_gated_round_leaves_unlikely_drafts_out_of_the_pass(target):
