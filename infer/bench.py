@@ -5,12 +5,14 @@ r"""Speedup and acceptance length of every decoding method on real prompt sets, 
   python -m infer.bench --config=configs/bench_default.py:ablation   # K = 1..4, chain trees
   python -m infer.bench --config.temperature=0,1 --config.batch_size=1,4
 
-Every setting (method, dataset, temperature, batch size, K, tree) is compiled and warmed up
-first; then settings are interleaved prompt batch by prompt batch, so machine noise hits all of
-them alike. Per setting it records tokens/s, the speedup over `none` measured in the same run,
-tau (tokens per target pass), per-depth acceptance, the share of a round spent drafting,
-verifying and accepting + committing (from a few prompts run phase by phase), and at
-temperature 0 whether every output equals `none`'s token for token (the lossless check).
+Settings (method, dataset, temperature, batch size, K, tree) are run a family (same dataset,
+temperature and batch size) at a time: every setting of the family is compiled and warmed up
+first, then they are interleaved prompt batch by prompt batch, so machine noise hits all of them
+alike; the family's compiled programs are dropped before the next. Per setting it records
+tokens/s, the speedup over `none` measured in the same run, tau (tokens per target pass),
+per-depth acceptance, the share of a round spent drafting, verifying and accepting +
+committing (from a few prompts run phase by phase), and at temperature 0 whether every output
+equals `none`'s token for token (the lossless check).
 
 Methods: `none` (plain decoding), `pld`, `medusa`, `eagle`, `pspec` (pspec_jax.decode with the
 shipped drafters or those under `drafter_dir`), and `hf` / `hf_pld` (HF transformers' PyTorch
@@ -362,29 +364,35 @@ def run(config, progress=True) -> dict:
     ids = prompts[s.dataset]
     return [ids[i : i + s.batch_size] for i in range(0, len(ids), s.batch_size)]
 
-  # Compile and warm up every setting (and a short last batch) before anything is timed.
-  for s in tqdm(settings, desc="compile", file=sys.stderr, disable=not progress):
-    for batch in {len(b): b for b in batches(s)}.values():
-      runners[s](batch, jax.random.key(config.seed))
-  # Interleaved: for each prompt batch, every setting that decodes it, in turn.
-  records = {s: [] for s in settings}
-  groups = {}
+  # Settings are compared within a family (dataset, temperature, batch size), whose every
+  # setting decodes the same prompt batches; one family is compiled and run at a time.
+  families = {}
   for s in settings:
-    for index, batch in enumerate(batches(s)):
-      groups.setdefault((s.dataset, s.temperature, s.batch_size, index), []).append((s, batch))
-  for (_, _, _, index), group in tqdm(
-    groups.items(), desc="prompts", file=sys.stderr, disable=not progress
-  ):
-    key = jax.random.fold_in(jax.random.key(config.seed), index)
-    for s, batch in group:
-      began = time.perf_counter()
-      outcome = runners[s](batch, key)
-      records[s].append((time.perf_counter() - began, outcome))
+    families.setdefault((s.dataset, s.temperature, s.batch_size), []).append(s)
+  records = {s: [] for s in settings}
   shares = {}
-  for s in tqdm(settings, desc="time split", file=sys.stderr, disable=not progress):
-    if s.method in OUR_METHODS and config.phase_prompts:
-      head = prompts[s.dataset][: config.phase_prompts]
-      shares[s] = phase_shares(target, drafters.get(s.method), head, decode_config(s))
+  for family in families.values():
+    # Compile and warm up every setting (and a short last batch) before anything is timed.
+    for s in tqdm(family, desc="compile", file=sys.stderr, disable=not progress):
+      for batch in {len(b): b for b in batches(s)}.values():
+        runners[s](batch, jax.random.key(config.seed))
+    # Interleaved: for each prompt batch, every setting in turn.
+    for index in tqdm(
+      range(len(batches(family[0]))), desc="prompts", file=sys.stderr, disable=not progress
+    ):
+      key = jax.random.fold_in(jax.random.key(config.seed), index)
+      for s in family:
+        batch = batches(s)[index]
+        began = time.perf_counter()
+        outcome = runners[s](batch, key)
+        records[s].append((time.perf_counter() - began, outcome))
+    for s in tqdm(family, desc="time split", file=sys.stderr, disable=not progress):
+      if s.method in OUR_METHODS and config.phase_prompts:
+        head = prompts[s.dataset][: config.phase_prompts]
+        shares[s] = phase_shares(target, drafters.get(s.method), head, decode_config(s))
+    # A compiled program holds hundreds of memory mappings (its JIT-linked kernels); a sweep
+    # that kept every family's would run into the kernel's limit on them (vm.max_map_count).
+    jax.clear_caches()
   rows = [_row(s, records, shares.get(s)) for s in settings]
 
   meta = dict(

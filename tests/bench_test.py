@@ -162,7 +162,8 @@ def test_prompt_sets_ship_offline():
 
 
 def test_a_real_run_writes_results_report_and_plots(tmp_path):
-  """The embedded default with its shipped pspec drafter and HF generate, on held-out ShareGPT."""
+  """The embedded default with its shipped pspec drafter and HF generate, on held-out ShareGPT,
+  greedy and sampled: two families of settings, run one after the other."""
   out = tmp_path / "bench"
   result = subprocess.run(
     [
@@ -172,6 +173,7 @@ def test_a_real_run_writes_results_report_and_plots(tmp_path):
       "--config=configs/bench_default.py:smoke",
       "--config.methods=none,pspec,hf",
       "--config.datasets=sharegpt",
+      "--config.temperature=0,1",
       f"--config.out={out}",
     ],
     cwd=ROOT,
@@ -185,11 +187,16 @@ def test_a_real_run_writes_results_report_and_plots(tmp_path):
   assert {"machine", "devices", "jax_version", "target", "drafters", "config"} <= set(
     results["meta"]
   )
-  rows = {r["method"]: r for r in results["rows"]}
-  assert list(rows) == ["none", "pspec", "hf"]
-  for r in rows.values():
-    assert set(r) >= ROW_KEYS and r["dataset"] == "sharegpt" and r["num_prompts"] == 2
-    assert r["tokens_per_s"] > 0 and 0 < r["tokens"] <= 2 * 8
+  by_temperature = {0.0: {}, 1.0: {}}
+  for r in results["rows"]:
+    by_temperature[r["temperature"]][r["method"]] = r
+  for rows in by_temperature.values():
+    assert list(rows) == ["none", "pspec", "hf"]
+    for r in rows.values():
+      assert set(r) >= ROW_KEYS and r["dataset"] == "sharegpt" and r["num_prompts"] == 2
+      assert r["tokens_per_s"] > 0 and 0 < r["tokens"] <= 2 * 8 and r["speedup"] > 0
+  assert all(r["lossless"] is None for r in by_temperature[1.0].values())
+  rows = by_temperature[0.0]
   assert rows["none"]["lossless"] is True and rows["pspec"]["lossless"] is True
   assert isinstance(rows["hf"]["lossless"], bool)
   depth = tree_lib.parse(rows["pspec"]["tree"], rows["pspec"]["num_draft"]).max_depth

@@ -30,3 +30,30 @@ def smollm2():
     checkpoints.load_target("smollm2-135m-instruct"),
     checkpoints.load_tokenizer("smollm2-135m-instruct"),
   )
+
+
+def _max_map_count() -> int:
+  try:
+    with open("/proc/sys/vm/max_map_count") as f:
+      return int(f.read())
+  except OSError:
+    return 0  # not Linux: no such limit to keep under
+
+
+def _memory_mappings() -> int:
+  with open("/proc/self/maps") as f:
+    return sum(1 for _ in f)
+
+
+_MAPPINGS_BUDGET = _max_map_count() // 4
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs():
+  """A compiled program holds hundreds of memory mappings (its JIT-linked kernels) for as long
+  as jax keeps it. A worker that kept every program its tests compiled reached the kernel's
+  limit (vm.max_map_count, 65,530; one test file alone came to 49k) and XLA aborted mid-compile.
+  So once a worker holds a quarter of that, its compiled programs are dropped."""
+  yield
+  if _MAPPINGS_BUDGET and _memory_mappings() > _MAPPINGS_BUDGET:
+    jax.clear_caches()
