@@ -45,7 +45,7 @@ def _memory_mappings() -> int:
     return sum(1 for _ in f)
 
 
-_MAPPINGS_BUDGET = _max_map_count() // 4
+_MAPPINGS_BUDGET = _max_map_count() // 2
 
 
 @pytest.fixture(autouse=True)
@@ -53,7 +53,7 @@ def _release_compiled_programs():
   """A compiled program holds hundreds of memory mappings (its JIT-linked kernels) for as long
   as jax keeps it. A worker that kept every program its tests compiled reached the kernel's
   limit (vm.max_map_count, 65,530; one test file alone came to 49k) and XLA aborted mid-compile.
-  So once a worker holds a quarter of that, its compiled programs are dropped."""
+  So once a worker holds half of that, its compiled programs are dropped."""
   yield
   if _MAPPINGS_BUDGET and _memory_mappings() > _MAPPINGS_BUDGET:
     jax.clear_caches()
