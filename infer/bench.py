@@ -372,17 +372,17 @@ def run(config, progress=True) -> dict:
   records = {s: [] for s in settings}
   shares = {}
   for family in families.values():
+    family_batches = batches(family[0])
     # Compile and warm up every setting (and a short last batch) before anything is timed.
     for s in tqdm(family, desc="compile", file=sys.stderr, disable=not progress):
-      for batch in {len(b): b for b in batches(s)}.values():
+      for batch in {len(b): b for b in family_batches}.values():
         runners[s](batch, jax.random.key(config.seed))
     # Interleaved: for each prompt batch, every setting in turn.
-    for index in tqdm(
-      range(len(batches(family[0]))), desc="prompts", file=sys.stderr, disable=not progress
+    for index, batch in enumerate(
+      tqdm(family_batches, desc="prompts", file=sys.stderr, disable=not progress)
     ):
       key = jax.random.fold_in(jax.random.key(config.seed), index)
       for s in family:
-        batch = batches(s)[index]
         began = time.perf_counter()
         outcome = runners[s](batch, key)
         records[s].append((time.perf_counter() - began, outcome))
