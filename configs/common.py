@@ -121,6 +121,7 @@ def training_config(
       kind="pspec",
       num_draft=4,  # K
       tree="chain",  # the tree it is exported with (infer flags can change it)
+      sampling_tree="",  # the tree at temperature > 0; "": the same
       dtype=dtype,  # compute
       param_dtype="float32",  # trained parameters and optimizer state
       export_dtype="bfloat16",  # the exported drafter file

@@ -182,8 +182,8 @@ def settings_of(config, target, drafters: dict) -> tuple[list[Setting], list[str
           drafter = drafters[method]
           for k in ks:
             for tree in trees:
-              cfg = decode.DecodeConfig(num_draft=k, tree=tree)
-              name = tree or drafter.cfg.tree
+              name = tree or drafter.cfg.tree_for(temperature == 0)
+              cfg = decode.DecodeConfig(num_draft=k, tree=name)
               try:
                 decode.check_drafter(target, drafter, cfg)
               except ValueError as e:
@@ -299,10 +299,49 @@ def dry_run(config) -> str:
   return f"{table}\n{compiled}"
 
 
+def measure(settings, runners, prompts, seed, time_split=None, progress=True) -> list[dict]:
+  """The result rows of `settings`, each decoded by `runners[setting]` over `prompts[dataset]`.
+
+  Settings are compared within a family (dataset, temperature, batch size), whose every
+  setting decodes the same prompt batches; one family is compiled and run at a time.
+  `time_split(setting)`, if given, adds a row's draft / verify / commit shares.
+  """
+  import jax
+  from tqdm import tqdm
+
+  families = {}
+  for s in settings:
+    families.setdefault((s.dataset, s.temperature, s.batch_size), []).append(s)
+  records = {s: [] for s in settings}
+  shares = {}
+  for family in families.values():
+    ids, size = prompts[family[0].dataset], family[0].batch_size
+    family_batches = [ids[i : i + size] for i in range(0, len(ids), size)]
+    # Compile and warm up every setting (and a short last batch) before anything is timed.
+    for s in tqdm(family, desc="compile", file=sys.stderr, disable=not progress):
+      for batch in {len(b): b for b in family_batches}.values():
+        runners[s](batch, jax.random.key(seed))
+    # Interleaved: for each prompt batch, every setting in turn.
+    for index, batch in enumerate(
+      tqdm(family_batches, desc="prompts", file=sys.stderr, disable=not progress)
+    ):
+      key = jax.random.fold_in(jax.random.key(seed), index)
+      for s in family:
+        began = time.perf_counter()
+        outcome = runners[s](batch, key)
+        records[s].append((time.perf_counter() - began, outcome))
+    if time_split is not None:
+      for s in tqdm(family, desc="time split", file=sys.stderr, disable=not progress):
+        shares[s] = time_split(s)
+    # A compiled program holds hundreds of memory mappings (its JIT-linked kernels); a sweep
+    # that kept every family's would run into the kernel's limit on them (vm.max_map_count).
+    jax.clear_caches()
+  return [_row(s, records, shares.get(s)) for s in settings]
+
+
 def run(config, progress=True) -> dict:
   import jax
   import transformers
-  from tqdm import tqdm
 
   from pspec_jax import checkpoints, data, decode, drafter_files, sharding
   from pspec_jax.sampling import SamplingConfig
@@ -360,40 +399,13 @@ def run(config, progress=True) -> dict:
       width = data.bucket(max(map(len, prompts[s.dataset])))
       runners[s] = OurMethod(target, drafters.get(s.method), decode_config(s), pad_id, width)
 
-  def batches(s: Setting) -> list[list[list[int]]]:
-    ids = prompts[s.dataset]
-    return [ids[i : i + s.batch_size] for i in range(0, len(ids), s.batch_size)]
+  def time_split(s: Setting) -> dict[str, float] | None:
+    if s.method not in OUR_METHODS or not config.phase_prompts:
+      return None
+    head = prompts[s.dataset][: config.phase_prompts]
+    return phase_shares(target, drafters.get(s.method), head, decode_config(s))
 
-  # Settings are compared within a family (dataset, temperature, batch size), whose every
-  # setting decodes the same prompt batches; one family is compiled and run at a time.
-  families = {}
-  for s in settings:
-    families.setdefault((s.dataset, s.temperature, s.batch_size), []).append(s)
-  records = {s: [] for s in settings}
-  shares = {}
-  for family in families.values():
-    family_batches = batches(family[0])
-    # Compile and warm up every setting (and a short last batch) before anything is timed.
-    for s in tqdm(family, desc="compile", file=sys.stderr, disable=not progress):
-      for batch in {len(b): b for b in family_batches}.values():
-        runners[s](batch, jax.random.key(config.seed))
-    # Interleaved: for each prompt batch, every setting in turn.
-    for index, batch in enumerate(
-      tqdm(family_batches, desc="prompts", file=sys.stderr, disable=not progress)
-    ):
-      key = jax.random.fold_in(jax.random.key(config.seed), index)
-      for s in family:
-        began = time.perf_counter()
-        outcome = runners[s](batch, key)
-        records[s].append((time.perf_counter() - began, outcome))
-    for s in tqdm(family, desc="time split", file=sys.stderr, disable=not progress):
-      if s.method in OUR_METHODS and config.phase_prompts:
-        head = prompts[s.dataset][: config.phase_prompts]
-        shares[s] = phase_shares(target, drafters.get(s.method), head, decode_config(s))
-    # A compiled program holds hundreds of memory mappings (its JIT-linked kernels); a sweep
-    # that kept every family's would run into the kernel's limit on them (vm.max_map_count).
-    jax.clear_caches()
-  rows = [_row(s, records, shares.get(s)) for s in settings]
+  rows = measure(settings, runners, prompts, config.seed, time_split, progress)
 
   meta = dict(
     machine=platform.platform(),
@@ -428,7 +440,13 @@ def _drafter_meta(drafter, directory: str | None) -> dict:
   from pspec_jax import drafter_files
 
   c = drafter.cfg
-  meta = dict(kind=c.kind, num_draft=c.num_draft, tree=c.tree, source=directory)
+  meta = dict(
+    kind=c.kind,
+    num_draft=c.num_draft,
+    tree=c.tree,
+    sampling_tree=c.tree_for(greedy=False),
+    source=directory,
+  )
   if directory:
     with open(os.path.join(directory, drafter_files.CONFIG_FILE)) as fh:
       meta.update(trained_steps=json.load(fh).get("trained_steps"))
@@ -519,7 +537,8 @@ def report(results: dict) -> str:
   for d in meta["drafters"].values():
     if d["source"]:
       lines.append(
-        f"Drafter {d['kind']}: {d['source']}, K={d['num_draft']}, tree {d['tree']}, "
+        f"Drafter {d['kind']}: {d['source']}, K={d['num_draft']}, tree {d['tree']} "
+        f"(sampling: {d.get('sampling_tree') or d['tree']}), "
         f"trained {d['trained_steps']} steps."
       )
   for temperature in dict.fromkeys(r["temperature"] for r in rows):

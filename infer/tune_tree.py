@@ -1,9 +1,11 @@
-r"""Tune the token tree to a drafter and a device: the static tree of most tokens per second.
+r"""Tune the token tree to a drafter and a device: the tree of most tokens per second.
 
   python -m infer.tune_tree                       # the shipped pspec drafter, embedded target
+  python -m infer.tune_tree --write               # ... and store the choice in its drafter.json
   python -m infer.tune_tree --method=eagle --sizes=2,4,8,16 --num_prompts=16 --out=eagle.json
 
-Two measurements, then a choice (the calibration of Medusa's and Sequoia's trees, measured):
+Three measurements, then a choice per temperature. First the static tree (the calibration of
+Medusa's and Sequoia's trees, measured):
 1. Acceptance. The calibration prompts are decoded greedily with a wide tree (`--pool` nodes,
    grown under `tree.RANK_PRIOR`), counting for every rank path how often its node lies on the
    accepted path. Under greedy acceptance a node is accepted exactly when its tokens and its
@@ -12,14 +14,20 @@ Two measurements, then a choice (the calibration of Medusa's and Sequoia's trees
 2. Cost. One whole round (verify, accept+commit, draft) with each of those trees, and one
    plain auto-regressive round, timed on this device after compilation, taking turns round
    by round (medians).
-Expected speedup = tokens per round x plain round time / round time. The tool prints the table,
-the fastest tree and the `--tree` flag that uses it (`infer.generate`, `infer.bench`, or the
-drafter's own `tree` in drafter.json). Calibration prompts default to ShareGPT's held-out
-split, so a benchmark on MT-Bench stays out of sample. Temperature 0 only: sampled acceptance
-depends on the siblings present.
+Expected speedup = tokens per round x plain round time / round time, at temperature 0.
+3. End to end. A gate (`+min:P`: draft only when the drafter is that confident) and a prompt-
+   lookup chain (`+lookup:L`) make a round's cost depend on the text, so the fastest static
+   tree, with and without a chain, gated at each `--gates` P, and the chain alone, are decoded
+   over the calibration prompts at each `--temperatures` T against plain decoding, interleaved
+   prompt by prompt (`infer.bench`'s measurement), and the fastest is chosen per temperature.
+The tool prints the tables and the `--tree` flags (`infer.generate`, `infer.bench`); `--write`
+stores the choices as the drafter's own trees in its drafter.json (`tree` at T = 0,
+`sampling_tree` above). Calibration prompts default to ShareGPT's held-out split, so a
+benchmark on MT-Bench stays out of sample.
 """
 
 import json
+import os
 import statistics
 
 from absl import flags
@@ -136,6 +144,64 @@ def tune(
   return rows, rounds
 
 
+def tree_candidates(static_tree: str, gates: list[float], lookup: int) -> list[str]:
+  """Stage 3's trees: the static tree alone, with a lookup chain of `lookup` (0: none), gated at
+  each of `gates`, and the chain alone."""
+  chain = f"+lookup:{lookup}" if lookup else ""
+  out = [static_tree] + ([static_tree + chain] if lookup else [])
+  out += [f"{static_tree}+min:{p:g}{chain}" for p in gates]
+  return out + ([f"lookup:{lookup}"] if lookup else [])
+
+
+def tune_end_to_end(
+  target, drafter, prompts, trees, *, temperatures, max_new_tokens, eos_ids, pad_id, batch_size
+):
+  """Decodes `prompts` with each of `trees` and plainly, at each temperature, interleaved.
+
+  Returns `infer.bench` rows (plain decoding's have method `none`) and the fastest tree per
+  temperature.
+  """
+  from infer import bench
+  from pspec_jax import data, decode
+  from pspec_jax.sampling import SamplingConfig
+
+  width = data.bucket(max(map(len, prompts)))
+  settings, runners = [], {}
+  for t in temperatures:
+    for tree in ["", *trees]:
+      k = drafter.cfg.num_draft if tree else 0
+      s = bench.Setting(drafter.cfg.kind if tree else "none", "calibration", t, batch_size, k, tree)
+      cfg = decode.DecodeConfig(
+        max_new_tokens=max_new_tokens,
+        sampling=SamplingConfig(temperature=t),
+        eos_ids=eos_ids,
+        pad_id=pad_id,
+        num_draft=k,
+        tree=tree,
+      )
+      runners[s] = bench.OurMethod(target, drafter if tree else None, cfg, pad_id, width)
+      settings.append(s)
+  rows = bench.measure(settings, runners, {"calibration": prompts}, seed=0)
+  best = {}
+  for t in temperatures:
+    mine = [r for r in rows if r["temperature"] == t and r["tree"]]
+    best[t] = max(mine, key=lambda r: r["tokens_per_s"])["tree"]
+  return rows, best
+
+
+def write_trees(directory: str, best: dict[float, str]) -> None:
+  """Stores the chosen trees in a drafter file: `tree` for T = 0, `sampling_tree` for T > 0."""
+  from pspec_jax import drafter_files
+
+  path = os.path.join(directory, drafter_files.CONFIG_FILE)
+  with open(path) as fh:
+    config = json.load(fh)
+  for t, tree in best.items():
+    config["tree" if t == 0 else "sampling_tree"] = tree
+  with open(path, "w") as fh:
+    fh.write(json.dumps(config, indent=2) + "\n")
+
+
 def run():
   import transformers
 
@@ -150,6 +216,12 @@ def run():
   sizes = [int(n) for n in FLAGS.sizes]
   if FLAGS.pool < 2 or min(sizes, default=0) < 2 or FLAGS.num_prompts < 1 or FLAGS.repeats < 1:
     raise ValueError("--pool and every --sizes entry must be >= 2; --num_prompts, --repeats >= 1")
+  temperatures = [float(t) for t in FLAGS.temperatures]
+  gates = [float(p) for p in FLAGS.gates]
+  if any(t < 0 for t in temperatures) or any(not 0 < p < 1 for p in gates) or FLAGS.lookup < 0:
+    raise ValueError("--temperatures must be >= 0, --gates in (0, 1) and --lookup >= 0")
+  if FLAGS.write and (not FLAGS.end_to_end or sum(t > 0 for t in temperatures) > 1):
+    raise ValueError("--write needs --end_to_end and at most one temperature above 0")
   tokenizer = checkpoints.load_tokenizer(FLAGS.target)
   chat = tokenizer.chat_template is not None
   encoded = [data.encode_prompt(tokenizer, p, chat) for p in data.prompts_from(FLAGS.prompts)]
@@ -157,8 +229,11 @@ def run():
   if not prompts:
     raise ValueError(f"no prompt of {FLAGS.prompts} fits --max_prompt_tokens")
   target = checkpoints.load_target(FLAGS.target, scan_layers=False, untie_head=True)
+  directory = drafter_files.drafter_source(FLAGS.method, FLAGS.drafter, target.cfg.name)
+  if FLAGS.write and directory in (None, "random"):
+    raise ValueError("--write needs a drafter directory (a trained drafter, not pld or random)")
   drafter = drafter_files.resolve_drafter(
-    FLAGS.method, FLAGS.drafter, target, num_draft=FLAGS.num_draft
+    FLAGS.method, directory, target, num_draft=FLAGS.num_draft
   )
   rows, rounds = tune(
     target,
@@ -188,6 +263,36 @@ def run():
     print(f"\nUse: --tree={chosen['tree']}")
   else:
     print("\nNo tree beats plain decoding on this device with this drafter.")
+  timed, best = [], {}
+  if FLAGS.end_to_end:
+    # The fastest static tree with a drafted node (the 2-node one if plain decoding won).
+    static = chosen["tree"] or rows[1]["tree"]
+    timed, best = tune_end_to_end(
+      target,
+      drafter.with_head(target),
+      prompts,
+      tree_candidates(static, gates, FLAGS.lookup),
+      temperatures=temperatures,
+      max_new_tokens=FLAGS.max_new_tokens,
+      eos_ids=checkpoints.eos_token_ids(FLAGS.target, tokenizer),
+      pad_id=tokenizer.pad_token_id or 0,
+      batch_size=FLAGS.timed_batch_size,
+    )
+    print(f"\n# End to end: {len(prompts)} prompts, batch size {FLAGS.timed_batch_size}\n")
+    print("| T | tree | tokens/s | speedup | tau | lossless |")
+    print("|---|---|---|---|---|---|")
+    for r in timed:
+      mark = " (best)" if r["tree"] and best[r["temperature"]] == r["tree"] else ""
+      lossless = "" if r["lossless"] is None else "yes" if r["lossless"] else "NO"
+      print(
+        f"| {r['temperature']:g} | {r['tree'] or 'none (plain decoding)'} | "
+        f"{r['tokens_per_s']:.1f} | {r['speedup']:.3f}{mark} | {r['tau']:.2f} | {lossless} |"
+      )
+    for t, tree in best.items():
+      print(f"\nAt T = {t:g} use: --tree={tree}")
+    if FLAGS.write:
+      write_trees(directory, best)
+      print(f"\nWrote them to {os.path.join(directory, 'drafter.json')}")
   if FLAGS.out:
     meta = dict(
       method=FLAGS.method,
@@ -199,7 +304,11 @@ def run():
       pool=FLAGS.pool,
     )
     with open(FLAGS.out, "w") as f:
-      json.dump(dict(meta=meta, rows=rows, best=chosen["tree"]), f, indent=1)
+      best_by_t = {f"{t:g}": tree for t, tree in best.items()}
+      record = dict(
+        meta=meta, rows=rows, best=chosen["tree"], end_to_end=timed, best_by_t=best_by_t
+      )
+      json.dump(record, f, indent=1)
 
 
 def define_flags():
@@ -220,7 +329,13 @@ def define_flags():
     "sizes", ["2", "3", "4", "5", "6", "8", "10", "12", "16", "24", "32"], "Tree sizes N tried."
   )
   flags.DEFINE_integer("repeats", 20, "Timed rounds per tree size.")
-  flags.DEFINE_string("out", "", "Also write the table and the choice to this JSON file.")
+  flags.DEFINE_bool("end_to_end", True, "Stage 3: time gated and lookup trees end to end.")
+  flags.DEFINE_list("temperatures", ["0", "1"], "Temperatures of stage 3, a choice for each.")
+  flags.DEFINE_list("gates", ["0.1", "0.2", "0.3", "0.4"], "Gate thresholds P tried in stage 3.")
+  flags.DEFINE_integer("lookup", 6, "Prompt-lookup chain L tried in stage 3 (0: none).")
+  flags.DEFINE_integer("timed_batch_size", 1, "Batch size of stage 3's timed decoding.")
+  flags.DEFINE_bool("write", False, "Store stage 3's choices in the drafter's drafter.json.")
+  flags.DEFINE_string("out", "", "Also write the tables and the choices to this JSON file.")
 
 
 if __name__ == "__main__":

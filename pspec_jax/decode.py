@@ -57,7 +57,8 @@ class DecodeConfig:
     pad_id: fills `DecodeOutput.tokens` past each sequence's length.
     num_draft: K, draft tokens per round; 0 means the drafter's own.
     tree: tree name (`tree.parse`: chain, sparseN, dynamic:N, paths:..., each optionally with
-      a gate +min:P and +lookup:L); "" is the drafter's.
+      a gate +min:P and +lookup:L); "" is the drafter's for this temperature
+      (`DrafterConfig.tree_for`).
     mesh: shard the batch and the caches over this mesh (parameters: `shard`); None is one
       device.
   """
@@ -85,7 +86,8 @@ def pool_tree(cfg: DecodeConfig, drafter: Drafter | None) -> tree_lib.Tree:
   """The tree (or dynamic pool) drafted each round; the root alone without a drafter."""
   if drafter is None:
     return tree_lib.ROOT_ONLY
-  return tree_lib.parse(cfg.tree or drafter.cfg.tree, cfg.num_draft or drafter.cfg.num_draft)
+  tree = cfg.tree or drafter.cfg.tree_for(cfg.sampling.greedy)
+  return tree_lib.parse(tree, cfg.num_draft or drafter.cfg.num_draft)
 
 
 @struct.dataclass

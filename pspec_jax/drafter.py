@@ -47,7 +47,10 @@ class DrafterConfig:
     kind: one of KINDS.
     num_draft: K, the draft tokens per round it was built for (pspec: K-1 mask vectors;
       medusa: K heads). Decoding may use fewer.
-    tree: the tree preset it is meant to decode with (`tree.parse`).
+    tree: the tree preset it is meant to decode with (`tree.parse`), greedy.
+    sampling_tree: the tree it decodes with at temperature > 0; "" is `tree`. Sampled drafts
+      are accepted less often than greedy ones, so a smaller tree (or prompt lookup alone)
+      can be the faster one there.
     target_name, vocab_size, hidden_size: identity of the target (checked at load time).
     num_heads, num_kv_heads, head_dim, intermediate_size: the drafter layer's widths.
     rope_theta, rope_scaling, rms_norm_eps: as the target's.
@@ -60,6 +63,7 @@ class DrafterConfig:
   kind: str
   num_draft: int = 4
   tree: str = "chain"
+  sampling_tree: str = ""
   target_name: str
   vocab_size: int
   hidden_size: int
@@ -88,6 +92,8 @@ class DrafterConfig:
         f"got {self.draft_vocab_size}"
       )
     tree_lib.parse(self.tree, self.num_draft)  # fails early on an unknown preset
+    if self.sampling_tree:
+      tree_lib.parse(self.sampling_tree, self.num_draft)
 
   @classmethod
   def for_target(cls, kind: str, target: LlamaConfig, **overrides) -> "DrafterConfig":
@@ -131,6 +137,10 @@ class DrafterConfig:
 
   def replace(self, **changes) -> "DrafterConfig":
     return dataclasses.replace(self, **changes)
+
+  def tree_for(self, greedy: bool) -> str:
+    """The tree this drafter decodes with, greedy or sampling."""
+    return self.tree if greedy else self.sampling_tree or self.tree
 
 
 class FeatureDrafter(nn.Module):

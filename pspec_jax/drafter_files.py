@@ -1,9 +1,10 @@
 """Drafter files: a directory with `drafter.json` (config) and `drafter.safetensors` (params).
 
-The JSON records the drafter's kind, K, tree preset, layer widths and the identity of the
-target it was built for (name, vocab size, feature width); loading it against another target
-is one clear error. Parameters are stored flat (`block/attn/q`, ...), in float32 or bfloat16,
-next to the token ids of a restricted draft vocabulary (`draft_vocab`), if the drafter has one.
+The JSON records the drafter's kind, K, tree presets (greedy, and optionally sampling), layer
+widths and the identity of the target it was built for (name, vocab size, feature width);
+loading it against another target is one clear error. Parameters are stored flat
+(`block/attn/q`, ...), in float32 or bfloat16, next to the token ids of a restricted draft
+vocabulary (`draft_vocab`), if the drafter has one.
 """
 
 import json
@@ -52,6 +53,7 @@ def save_drafter(
     kind=cfg.kind,
     num_draft=cfg.num_draft,
     tree=cfg.tree,
+    sampling_tree=cfg.sampling_tree,
     target=dict(name=cfg.target_name, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size),
     layer={f: getattr(cfg, f) for f in _LAYER_FIELDS}
     | dict(rope_scaling=None if cfg.rope_scaling is None else vars(cfg.rope_scaling)),
@@ -101,6 +103,7 @@ def load_drafter(directory: str, target: Target) -> Drafter:
       t,
       num_draft=int(config.get("num_draft", 1)),
       tree=str(config.get("tree", "chain")),
+      sampling_tree=str(config.get("sampling_tree", "")),
       max_ngram=int(config.get("max_ngram", 3)),
       draft_vocab_size=int(config.get("draft_vocab_size", 0)),
       rope_scaling=None if scaling is None else RopeScaling(**scaling),

@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -9,7 +10,7 @@ import jax
 import pytest
 
 from infer import bench
-from pspec_jax import data
+from pspec_jax import data, drafter_files
 from pspec_jax import tree as tree_lib
 from tests.tiny_models import drafter_for, make_target
 
@@ -196,6 +197,11 @@ def test_a_real_run_writes_results_report_and_plots(tmp_path):
       assert set(r) >= ROW_KEYS and r["dataset"] == "sharegpt" and r["num_prompts"] == 2
       assert r["tokens_per_s"] > 0 and 0 < r["tokens"] <= 2 * 8 and r["speedup"] > 0
   assert all(r["lossless"] is None for r in by_temperature[1.0].values())
+  # The drafter's own trees: its greedy one at T = 0, its sampling one (if any) at T = 1.
+  shipped = drafter_files.shipped_drafter("smollm2-135m-instruct", "pspec")
+  shipped = json.loads((pathlib.Path(shipped) / drafter_files.CONFIG_FILE).read_text())
+  assert by_temperature[0.0]["pspec"]["tree"] == shipped["tree"]
+  assert by_temperature[1.0]["pspec"]["tree"] == (shipped.get("sampling_tree") or shipped["tree"])
   rows = by_temperature[0.0]
   assert rows["none"]["lossless"] is True and rows["pspec"]["lossless"] is True
   assert isinstance(rows["hf"]["lossless"], bool)

@@ -11,8 +11,9 @@ from flax import traverse_util
 from safetensors.numpy import load_file, save_file
 from tiny_models import PROMPTS, TINY, make_target, padded
 
-from pspec_jax import decode, drafter_files, llama
+from pspec_jax import decode, drafter_files, llama, sampling
 from pspec_jax import drafter as drafter_lib
+from pspec_jax import tree as tree_lib
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ SETTINGS = {
     ),
     rms_norm_eps=1e-6,
   ),
-  "eagle": dict(num_draft=3, tree="dynamic:5", draft_vocab_size=11),
+  "eagle": dict(num_draft=3, tree="dynamic:5", sampling_tree="chain", draft_vocab_size=11),
   "medusa": dict(num_draft=4, tree="sparse8", draft_vocab_size=7),
   "pld": dict(num_draft=5, tree="chain", max_ngram=4),
 }
@@ -93,6 +94,25 @@ def test_json_records_kind_draft_length_tree_and_target(target, tmp_path):
   assert config["steps"] == 7
   with open(tmp_path / drafter_files.PARAMS_FILE, "rb") as fh:
     assert fh.read(8)  # the params file exists and is not empty
+
+
+def test_decoding_takes_the_sampling_tree_above_temperature_zero(target, tmp_path):
+  drafter_files.save_drafter(str(tmp_path), make_drafter("eagle", target))
+  drafter = drafter_files.load_drafter(str(tmp_path), target)
+  sampled = sampling.SamplingConfig(temperature=0.7)
+  greedy_pool = decode.pool_tree(decode.DecodeConfig(), drafter)
+  sampled_pool = decode.pool_tree(decode.DecodeConfig(sampling=sampled), drafter)
+  assert greedy_pool == tree_lib.parse("dynamic:5", 3)
+  assert sampled_pool == tree_lib.parse("chain", 3)
+  # A tree asked for explicitly wins at any temperature; without a sampling tree, `tree` serves.
+  explicit = decode.DecodeConfig(sampling=sampled, tree="sparse4")
+  assert decode.pool_tree(explicit, drafter) == tree_lib.parse("sparse4", 3)
+  medusa = make_drafter("medusa", target)
+  assert decode.pool_tree(decode.DecodeConfig(sampling=sampled), medusa) == tree_lib.parse(
+    "sparse8", 4
+  )
+  with pytest.raises(ValueError, match="tree"):
+    medusa.cfg.replace(sampling_tree="bushy")
 
 
 # --- bad files -------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import pytest
 from tiny_models import PROMPTS, drafter_for, make_target, padded
 
 from infer import tune_tree
-from pspec_jax import decode
+from pspec_jax import decode, drafter_files
 from pspec_jax import drafter as drafter_lib
 from pspec_jax import tree as tree_lib
 
@@ -82,3 +82,50 @@ def test_tune_reports_plain_decoding_and_the_best_tree_of_each_size(target):
     np.testing.assert_allclose(r["speedup"], r["tokens_per_round"] * rows[0]["ms"] / r["ms"])
   tokens = [r["tokens_per_round"] for r in rows]
   assert tokens == sorted(tokens)  # a larger best tree never expects fewer tokens
+
+
+def test_stage_three_tries_the_tree_alone_chained_gated_and_the_chain_alone():
+  assert tune_tree.tree_candidates("paths:0/1", [0.1, 0.25], 6) == [
+    "paths:0/1",
+    "paths:0/1+lookup:6",
+    "paths:0/1+min:0.1+lookup:6",
+    "paths:0/1+min:0.25+lookup:6",
+    "lookup:6",
+  ]
+  assert tune_tree.tree_candidates("paths:0", [0.2], 0) == ["paths:0", "paths:0+min:0.2"]
+  for spec in tune_tree.tree_candidates("paths:0/1", [0.1, 0.25], 6):
+    tree_lib.parse(spec, 4)
+
+
+def test_end_to_end_times_every_tree_at_every_temperature_and_picks_the_fastest(target):
+  trees = tune_tree.tree_candidates("paths:0", [0.5], 2)
+  rows, best = tune_tree.tune_end_to_end(
+    target,
+    drafter_for("pspec", target),
+    PROMPTS[:2],
+    trees,
+    temperatures=[0.0, 1.0],
+    max_new_tokens=8,
+    eos_ids=(),
+    pad_id=0,
+    batch_size=1,
+  )
+  assert [(r["temperature"], r["tree"]) for r in rows] == [
+    (t, tree) for t in (0.0, 1.0) for tree in ["", *trees]
+  ]
+  for r in rows:
+    assert r["method"] == ("pspec" if r["tree"] else "none")
+    assert r["tokens"] == 2 * 8 and r["tokens_per_s"] > 0
+    assert r["lossless"] is (True if r["temperature"] == 0 else None)
+  for t in (0.0, 1.0):
+    mine = [r for r in rows if r["temperature"] == t and r["tree"]]
+    assert best[t] == max(mine, key=lambda r: r["tokens_per_s"])["tree"]
+
+
+def test_write_stores_the_choices_as_the_drafters_trees(target, tmp_path):
+  drafter_files.save_drafter(str(tmp_path), drafter_for("pspec", target))
+  tune_tree.write_trees(str(tmp_path), {0.0: "paths:0+min:0.2+lookup:6", 1.0: "lookup:6"})
+  loaded = drafter_files.load_drafter(str(tmp_path), target)
+  assert loaded.cfg.tree == "paths:0+min:0.2+lookup:6"
+  assert loaded.cfg.sampling_tree == "lookup:6"
+  assert decode.pool_tree(decode.DecodeConfig(), loaded).lookup == 6

@@ -77,6 +77,7 @@ def drafter_config(config: ml_collections.ConfigDict, target: llama.LlamaConfig)
     target,
     num_draft=d.num_draft,
     tree=d.tree,
+    sampling_tree=d.sampling_tree,
     dtype=dtype(d.dtype),
     param_dtype=dtype(d.param_dtype),
     draft_vocab_size=d.draft_vocab_size,
