@@ -54,6 +54,21 @@ class Setting:
   def baseline(self) -> "Setting":
     return Setting("none", self.dataset, self.temperature, self.batch_size, 0, "")
 
+  def decode_config(self, *, max_new_tokens, eos_ids, pad_id, mesh=None):
+    """The `pspec_jax.decode.DecodeConfig` this setting decodes with."""
+    from pspec_jax import decode
+    from pspec_jax.sampling import SamplingConfig
+
+    return decode.DecodeConfig(
+      max_new_tokens=max_new_tokens,
+      sampling=SamplingConfig(temperature=self.temperature),
+      eos_ids=eos_ids,
+      pad_id=pad_id,
+      num_draft=self.num_draft,
+      tree=self.tree,
+      mesh=mesh,
+    )
+
 
 @dataclasses.dataclass
 class Outcome:
@@ -344,7 +359,6 @@ def run(config, progress=True) -> dict:
   import transformers
 
   from pspec_jax import checkpoints, data, decode, drafter_files, sharding
-  from pspec_jax.sampling import SamplingConfig
 
   transformers.logging.set_verbosity_error()
   transformers.logging.disable_progress_bar()
@@ -379,14 +393,8 @@ def run(config, progress=True) -> dict:
   pad_id = tokenizer.pad_token_id or 0
 
   def decode_config(s: Setting) -> decode.DecodeConfig:
-    return decode.DecodeConfig(
-      max_new_tokens=config.max_new_tokens,
-      sampling=SamplingConfig(temperature=s.temperature),
-      eos_ids=eos_ids,
-      pad_id=pad_id,
-      num_draft=s.num_draft,
-      tree=s.tree,
-      mesh=mesh,
+    return s.decode_config(
+      max_new_tokens=config.max_new_tokens, eos_ids=eos_ids, pad_id=pad_id, mesh=mesh
     )
 
   runners = {}

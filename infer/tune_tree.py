@@ -162,8 +162,7 @@ def tune_end_to_end(
   temperature.
   """
   from infer import bench
-  from pspec_jax import data, decode
-  from pspec_jax.sampling import SamplingConfig
+  from pspec_jax import data
 
   width = data.bucket(max(map(len, prompts)))
   settings, runners = [], {}
@@ -171,14 +170,7 @@ def tune_end_to_end(
     for tree in ["", *trees]:
       k = drafter.cfg.num_draft if tree else 0
       s = bench.Setting(drafter.cfg.kind if tree else "none", "calibration", t, batch_size, k, tree)
-      cfg = decode.DecodeConfig(
-        max_new_tokens=max_new_tokens,
-        sampling=SamplingConfig(temperature=t),
-        eos_ids=eos_ids,
-        pad_id=pad_id,
-        num_draft=k,
-        tree=tree,
-      )
+      cfg = s.decode_config(max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id)
       runners[s] = bench.OurMethod(target, drafter if tree else None, cfg, pad_id, width)
       settings.append(s)
   rows = bench.measure(settings, runners, {"calibration": prompts}, seed=0)
@@ -235,6 +227,7 @@ def run():
   drafter = drafter_files.resolve_drafter(
     FLAGS.method, directory, target, num_draft=FLAGS.num_draft
   )
+  eos_ids = checkpoints.eos_token_ids(FLAGS.target, tokenizer)
   rows, rounds = tune(
     target,
     drafter.with_head(target),
@@ -242,7 +235,7 @@ def run():
     pool_nodes=FLAGS.pool,
     sizes=sizes,
     max_new_tokens=FLAGS.max_new_tokens,
-    eos_ids=checkpoints.eos_token_ids(FLAGS.target, tokenizer),
+    eos_ids=eos_ids,
     repeats=FLAGS.repeats,
     batch_size=FLAGS.batch_size,
   )
@@ -274,7 +267,7 @@ def run():
       tree_candidates(static, gates, FLAGS.lookup),
       temperatures=temperatures,
       max_new_tokens=FLAGS.max_new_tokens,
-      eos_ids=checkpoints.eos_token_ids(FLAGS.target, tokenizer),
+      eos_ids=eos_ids,
       pad_id=tokenizer.pad_token_id or 0,
       batch_size=FLAGS.timed_batch_size,
     )
