@@ -68,6 +68,16 @@ LLAMA3_8B = dict(
   tie_embeddings=False,
   max_position_embeddings=8192,
 )
+# By name, for what needs an architecture without its weights (`infer.profile_round
+# --target=random:NAME`).
+ARCHITECTURES = {
+  "smollm2_135m": SMOLLM2_135M,
+  "llama2_7b": LLAMA2_7B,
+  "llama2_13b": LLAMA2_13B,
+  "vicuna_7b": VICUNA_7B,
+  "vicuna_13b": VICUNA_13B,
+  "llama3_8b": LLAMA3_8B,
+}
 
 
 def large_config(

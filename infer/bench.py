@@ -16,8 +16,8 @@ equals `none`'s token for token (the lossless check).
 
 Methods: `none` (plain decoding), `pld`, `medusa`, `eagle`, `pspec` (pspec_jax.decode with the
 shipped drafters or those under `drafter_dir`), and `hf` / `hf_pld` (HF transformers' PyTorch
-`generate` on the same float32 weights, plain and with prompt lookup; batch size 1, and only
-when torch is installed).
+`generate` on the same weights in the same dtype, plain and with prompt lookup, on a CUDA GPU
+when JAX runs on one; batch size 1, and only when torch is installed).
 """
 
 import dataclasses
@@ -109,15 +109,18 @@ class OurMethod:
 
 
 class HFMethod:
-  """`hf` / `hf_pld`: HF transformers' `generate` (PyTorch, float32) on the same weights."""
+  """`hf` / `hf_pld`: HF transformers' `generate` (PyTorch) on the same weights, in the same
+  dtype, on a CUDA GPU when JAX runs on one, else on the CPU."""
 
-  def __init__(self, spec, cfg, threads, prompt_lookup: bool):
+  def __init__(self, spec, cfg, threads, prompt_lookup: bool, dtype: str = "float32"):
+    import jax
     import torch
     import transformers
 
     from pspec_jax import checkpoints
 
     torch.set_num_threads(threads)
+    self.device = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
     source = checkpoints.resolve_target(spec)
     if source.kind == "gguf":
       directory, filename = os.path.split(source.path)
@@ -125,8 +128,9 @@ class HFMethod:
     else:
       directory, kwargs = source.path, {}
     self.model = transformers.AutoModelForCausalLM.from_pretrained(
-      directory, dtype=torch.float32, **kwargs
+      directory, dtype=getattr(torch, dtype), **kwargs
     ).eval()
+    self.model.to(self.device)
     self.cfg, self.prompt_lookup = cfg, prompt_lookup
 
   def __call__(self, batch: list[list[int]], key) -> Outcome:
@@ -139,8 +143,8 @@ class HFMethod:
     extra = dict(prompt_lookup_num_tokens=HF_PROMPT_LOOKUP_TOKENS) if self.prompt_lookup else {}
     with torch.inference_mode():
       out = self.model.generate(
-        torch.tensor([ids]),
-        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        torch.tensor([ids], device=self.device),
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=self.device),
         max_new_tokens=self.cfg.max_new_tokens,
         do_sample=not sampling.greedy,
         temperature=sampling.temperature or None,
@@ -221,31 +225,51 @@ def phase_shares(target, drafter, batches, cfg) -> dict[str, float]:
   return {k: v / total for k, v in ms.items()}
 
 
-def copy_bandwidth(num_bytes: int, repeats: int = 5) -> float:
-  """Bytes per second of a plain memory copy of `num_bytes` (median of a few)."""
+def copy_bandwidth(num_bytes: int, repeats: int = 5, on_host: bool | None = None) -> float:
+  """Memory bandwidth of the default device: bytes read + written per second by a plain copy
+  of `num_bytes` (at most 1 GiB; median of a few), numpy's on a CPU (`on_host`), a jitted
+  one elsewhere."""
+  import jax
   import numpy as np
 
-  src = np.ones(num_bytes // 4, np.float32)
-  dst = np.empty_like(src)
+  num_bytes = min(num_bytes, 1 << 30)
+  if jax.default_backend() == "cpu" if on_host is None else on_host:
+    src = np.ones(num_bytes // 4, np.float32)
+    dst = np.empty_like(src)
+
+    def copy():
+      np.copyto(dst, src)
+
+  else:
+    src = jax.numpy.ones(num_bytes // 4, np.float32)
+    add_one = jax.jit(lambda x: x + 1)  # reads the buffer once, writes a new one
+
+    def copy():
+      jax.block_until_ready(add_one(src))
+
+  copy()  # warm-up (and compile)
   times = []
   for _ in range(repeats):
     began = time.perf_counter()
-    np.copyto(dst, src)
+    copy()
     times.append(time.perf_counter() - began)
-  return num_bytes / statistics.median(times)
+  return 2 * num_bytes / statistics.median(times)
 
 
-def decode_step_seconds(target, ids, cfg, steps=64, repeats=3) -> float:
-  """Time of one decode step: (generate steps+1 tokens - generate 1 token) / steps.
+def round_seconds(target, drafter, ids, cfg, repeats=3) -> tuple[float, int]:
+  """Seconds per round of a whole decode, all its rounds in one jitted `while_loop`, and the
+  rounds: (decode of `cfg.max_new_tokens` tokens - decode of 1) / rounds, so prefill cancels.
 
-  EOS is disabled so both runs do exactly that many steps; the difference cancels prefill.
+  EOS is disabled so every run decodes exactly that many tokens.
   """
   import jax
 
   key = jax.random.key(0)
-  long_run = OurMethod(target, None, dataclasses.replace(cfg, max_new_tokens=steps + 1), 0)
-  short_run = OurMethod(target, None, dataclasses.replace(cfg, max_new_tokens=1), 0)
-  long_run([ids], key), short_run([ids], key)  # compile
+  cfg = dataclasses.replace(cfg, eos_ids=())
+  long_run = OurMethod(target, drafter, cfg, 0)
+  short_run = OurMethod(target, drafter, dataclasses.replace(cfg, max_new_tokens=1), 0)
+  rounds = long_run([ids], key).rounds[0]  # and compile
+  short_run([ids], key)
   diffs = []
   for _ in range(repeats):
     began = time.perf_counter()
@@ -253,7 +277,26 @@ def decode_step_seconds(target, ids, cfg, steps=64, repeats=3) -> float:
     middle = time.perf_counter()
     short_run([ids], key)
     diffs.append((middle - began) - (time.perf_counter() - middle))
-  return statistics.median(diffs) / steps
+  return statistics.median(diffs) / rounds, rounds
+
+
+def step_profile(target, ids, cfg, steps=64) -> dict:
+  """`none`'s decode step against the memory-bandwidth floor: the time to read, once at the
+  measured copy bandwidth, every weight a step reads. All but the embedding table, of which
+  it gathers a row, unless the table is the (tied) LM head too."""
+  import jax
+
+  weight_bytes = sum(x.nbytes for x in jax.tree.leaves(target.params))
+  if not target.cfg.tie_embeddings:
+    weight_bytes -= target.params["embedding"].nbytes
+  step, _ = round_seconds(target, None, ids, dataclasses.replace(cfg, max_new_tokens=steps + 1))
+  floor = weight_bytes / copy_bandwidth(weight_bytes)
+  return dict(
+    weight_bytes=weight_bytes,
+    decode_step_ms=step * 1e3,
+    bandwidth_floor_ms=floor * 1e3,
+    step_over_floor=step / floor,
+  )
 
 
 def load_prompts(config, tokenizer) -> dict[str, list[list[int]]]:
@@ -401,7 +444,11 @@ def run(config, progress=True) -> dict:
   for s in settings:
     if s.method in HF_METHODS:
       runners[s] = HFMethod(
-        config.target, decode_config(s), config.torch_threads, prompt_lookup=s.method == "hf_pld"
+        config.target,
+        decode_config(s),
+        config.torch_threads,
+        prompt_lookup=s.method == "hf_pld",
+        dtype=config.dtype,
       )
     else:
       width = data.bucket(max(map(len, prompts[s.dataset])))
@@ -428,19 +475,7 @@ def run(config, progress=True) -> dict:
   )
   if config.step_profile and "none" in methods:
     first = next(iter(prompts.values()))[0]
-    # What a step reads: every weight but the embedding table, of which it gathers a row,
-    # unless the table is the (tied) LM head too.
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(target.params))
-    if not target.cfg.tie_embeddings:
-      weight_bytes -= target.params["embedding"].nbytes
-    step = decode_step_seconds(target, first, decode_config(settings[0]))
-    floor = weight_bytes / copy_bandwidth(weight_bytes)
-    meta.update(
-      weight_bytes=weight_bytes,
-      decode_step_ms=step * 1e3,
-      bandwidth_floor_ms=floor * 1e3,
-      step_over_floor=step / floor,
-    )
+    meta.update(step_profile(target, first, decode_config(settings[0])))
   return dict(meta=meta, rows=rows)
 
 

@@ -2,13 +2,22 @@ r"""Where a speculative round spends its time, and what verifying N tree nodes c
 
   python -m infer.profile_round                       # random pspec drafter and pld, K=4
   python -m infer.profile_round --methods=pld,eagle --num_draft=6 --tree=sparse16
+  python -m infer.profile_round --target=random:llama2_7b --dtype=bfloat16   # on a GPU
 
 Part 1 runs each method's rounds one phase at a time from the host (each phase jitted on its
 own, timed after `block_until_ready`): draft, verify, accept+commit, in ms per round and as
-shares. Part 2 times the verification pass alone for trees of N = 1, 4, 8, ... nodes (N = 1
-is the root alone) at the same context, relative to one whole auto-regressive round. These
-numbers decide the tree budget on a given machine. Everything is compiled and warmed up
-before it is timed; reported times are medians.
+shares, against the time per round of the same decode run whole (every round inside one
+jitted `while_loop`, as `pspec_jax.decode` runs it). Part 2 times the verification pass alone
+for trees of N = 1, 2, 4, ... nodes (N = 1 is the root alone) at the same context, relative to
+one whole auto-regressive round. Part 3 sets the plain decode step against the memory-bandwidth
+floor (every weight a step reads, read once at the measured copy bandwidth). These numbers
+decide the tree budget on a given machine. Everything is compiled and warmed up before it is
+timed; reported times are medians.
+
+`--target=random:NAME` profiles a published architecture (`configs.common.ARCHITECTURES`:
+llama2_7b, llama2_13b, llama3_8b, ...) with random weights made on the device, on random
+prompts of `--prompt_tokens` tokens: no checkpoint needed. Its rounds accept next to nothing,
+which changes what a round contains but not what its parts cost.
 """
 
 import statistics
@@ -76,36 +85,88 @@ def verify_cost(target, drafter, ids, cfg, nodes, repeats):
   return ar_ms, out
 
 
+RANDOM = "random:"
+
+
+def random_target(name: str, dtype, seed: int = 0):
+  """A target of the published architecture `name` with random weights, made on the device."""
+  import functools
+
+  import jax
+
+  from configs.common import ARCHITECTURES
+  from pspec_jax import llama
+
+  if name not in ARCHITECTURES:
+    raise ValueError(f"unknown architecture {name!r}: known are {', '.join(ARCHITECTURES)}")
+  cfg = llama.LlamaConfig(
+    name=f"random-{name}",
+    **ARCHITECTURES[name],
+    scan_layers=False,
+    dtype=dtype,
+    param_dtype=dtype,
+  )
+  params = jax.jit(functools.partial(llama.init_params, cfg))(jax.random.key(seed))
+  return llama.Target(cfg=cfg, params=params)
+
+
+def load(spec: str, dtype, num_prompts: int, prompt_tokens: int):
+  """The target, its encoded prompts (MT-Bench first turns, or random ids for a random target)
+  and its EOS ids."""
+  import numpy as np
+  import transformers
+
+  from pspec_jax import checkpoints, data
+
+  if spec.startswith(RANDOM):
+    target = random_target(spec.removeprefix(RANDOM), dtype)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, target.cfg.vocab_size, (num_prompts, prompt_tokens)).tolist()
+    return target, ids, ()
+  transformers.logging.set_verbosity_error()
+  tokenizer = checkpoints.load_tokenizer(spec)
+  prompts = data.prompt_set("mt_bench", num_prompts)
+  encoded = [data.encode_prompt(tokenizer, p, tokenizer.chat_template is not None) for p in prompts]
+  target = checkpoints.load_target(
+    spec, dtype=dtype, param_dtype=dtype, scan_layers=False, untie_head=True
+  )
+  return target, encoded, checkpoints.eos_token_ids(spec, tokenizer)
+
+
 def run():
   import dataclasses
 
-  import transformers
+  import jax
 
-  from pspec_jax import checkpoints, data, decode, drafter_files
+  from infer import bench
+  from pspec_jax import decode, drafter_files
 
-  transformers.logging.set_verbosity_error()
-  tokenizer = checkpoints.load_tokenizer(FLAGS.target)
-  prompts = data.prompt_set("mt_bench", FLAGS.num_prompts)
-  encoded = [data.encode_prompt(tokenizer, p, tokenizer.chat_template is not None) for p in prompts]
-  target = checkpoints.load_target(FLAGS.target, scan_layers=False, untie_head=True)
+  dtype = jax.numpy.dtype(FLAGS.dtype)
+  target, encoded, eos_ids = load(FLAGS.target, dtype, FLAGS.num_prompts, FLAGS.prompt_tokens)
   cfg = decode.DecodeConfig(
     max_new_tokens=FLAGS.max_new_tokens,
-    eos_ids=checkpoints.eos_token_ids(FLAGS.target, tokenizer),
+    eos_ids=eos_ids,
     num_draft=FLAGS.num_draft,
     tree=FLAGS.tree,
   )
-  print(f"# Round profile: {FLAGS.target}, K={FLAGS.num_draft}, tree {FLAGS.tree}\n")
-  print("| method | rounds | draft ms | verify ms | accept+commit ms | draft / verify / a+c |")
-  print("|---|---|---|---|---|---|")
+  print(f"# Round profile: {FLAGS.target}, {FLAGS.dtype}, K={FLAGS.num_draft}, tree {FLAGS.tree}")
+  print(f"{jax.devices()[0].device_kind} ({jax.default_backend()})\n")
+  print(
+    "| method | rounds | draft ms | verify ms | accept+commit ms | draft / verify / a+c "
+    "| sum ms | while_loop ms per round | while_loop / sum |"
+  )
+  print("|---|---|---|---|---|---|---|---|---|")
   for method in FLAGS.methods:
     spec = None if method in ("none", "pld") else FLAGS.drafter
     drafter = drafter_files.resolve_drafter(method, spec, target, num_draft=FLAGS.num_draft)
     ms, rounds = phase_split(target, drafter, encoded, cfg)
     total = sum(ms.values())
     shares = " / ".join(f"{100 * ms[k] / total:.0f}%" for k in ms)
+    loop_s, _ = bench.round_seconds(target, drafter, encoded[0], cfg)
     print(
       f"| {method} | {rounds} | {ms['draft']:.2f} | {ms['verify']:.2f} | "
-      f"{ms['accept+commit']:.2f} | {shares} |",
+      f"{ms['accept+commit']:.2f} | {shares} | {total:.2f} | {1e3 * loop_s:.2f} | "
+      f"{1e3 * loop_s / total:.2f} |",
       flush=True,
     )
   nodes = [int(n) for n in FLAGS.nodes]
@@ -118,16 +179,32 @@ def run():
   print("|---|---|---|")
   for n, ms in verify_ms.items():
     print(f"| {n} | {ms:.2f} | {ms / ar_ms:.2f} |", flush=True)
+  step = bench.step_profile(target, encoded[0], cfg)
+  print(
+    f"\nPlain decode step (rounds in the while_loop) {step['decode_step_ms']:.2f} ms; "
+    f"memory-bandwidth floor {step['bandwidth_floor_ms']:.2f} ms "
+    f"({step['weight_bytes'] / 1e9:.2f} GB of weights / measured copy bandwidth "
+    f"{step['weight_bytes'] / step['bandwidth_floor_ms'] / 1e6:.0f} GB/s): "
+    f"ratio {step['step_over_floor']:.2f}."
+  )
 
 
 def define_flags():
   """Defines the command line; only when run as a program, so the CLI modules import together."""
-  flags.DEFINE_string("target", "smollm2-135m-instruct", "Target name, HF directory or .gguf file.")
+  flags.DEFINE_string(
+    "target",
+    "smollm2-135m-instruct",
+    "Target name, HF directory, .gguf file, or random:ARCH (random weights: random:llama2_7b).",
+  )
+  flags.DEFINE_enum(
+    "dtype", "float32", ["float32", "bfloat16"], "The target's weights and compute."
+  )
+  flags.DEFINE_integer("prompt_tokens", 128, "Prompt length for a random target.")
   flags.DEFINE_list("methods", ["pspec", "pld"], "Drafting methods to split into phases.")
   flags.DEFINE_string("drafter", "random", "Drafter directory, or `random` (untrained, seeded).")
   flags.DEFINE_integer("num_draft", 4, "K, draft tokens per round.")
   flags.DEFINE_string("tree", "chain", "Tree for part 1: chain, sparseN, dynamic:N or paths:...")
-  flags.DEFINE_list("nodes", ["1", "4", "8", "16", "32", "64"], "Tree sizes N for part 2.")
+  flags.DEFINE_list("nodes", ["1", "2", "4", "8", "16", "32", "64"], "Tree sizes N for part 2.")
   flags.DEFINE_integer("num_prompts", 4, "MT-Bench prompts (first turns).")
   flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated per prompt in part 1.")
   flags.DEFINE_integer("repeats", 20, "Timed verification passes per tree size in part 2.")

@@ -1,0 +1,65 @@
+"""`infer.profile_round`'s parts on a random target, and the timings it shares with the bench."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from configs import common
+from infer import bench, profile_round
+from pspec_jax import decode
+from tests.tiny_models import drafter_for
+
+# A tiny untied architecture, so the step profile leaves the embedding table out.
+TINY_ARCH = dict(
+  vocab_size=64,
+  hidden_size=32,
+  intermediate_size=48,
+  num_layers=2,
+  num_heads=4,
+  num_kv_heads=2,
+  tie_embeddings=False,
+  max_position_embeddings=256,
+)
+
+
+def test_a_random_target_has_the_published_size_without_allocating_it():
+  shapes = jax.eval_shape(lambda: profile_round.random_target("llama2_7b", jnp.bfloat16))
+  leaves = jax.tree.leaves(shapes.params)
+  assert round(sum(x.size for x in leaves) / 1e9, 2) == 6.74  # Llama-2-7B
+  assert {x.dtype for x in leaves} == {jnp.dtype(jnp.bfloat16)}
+  assert not shapes.cfg.scan_layers  # the decoding layout
+
+
+def test_an_unknown_architecture_is_one_clear_error():
+  with pytest.raises(ValueError, match="unknown architecture 'llama9'.*llama2_7b"):
+    profile_round.load("random:llama9", jnp.float32, 1, 8)
+
+
+def test_a_random_target_profiles_round_parts_loop_and_step(monkeypatch):
+  monkeypatch.setitem(common.ARCHITECTURES, "tiny", TINY_ARCH)
+  target, prompts, eos_ids = profile_round.load("random:tiny", jnp.bfloat16, 2, 12)
+  assert target.cfg.name == "random-tiny" and eos_ids == ()
+  assert [len(p) for p in prompts] == [12, 12]
+  assert all(0 <= t < TINY_ARCH["vocab_size"] for p in prompts for t in p)
+  assert {x.dtype for x in jax.tree.leaves(target.params)} == {jnp.dtype(jnp.bfloat16)}
+  drafter = drafter_for("pspec", target, num_draft=2)
+  cfg = decode.DecodeConfig(max_new_tokens=9, num_draft=2, tree="chain")
+
+  ms, rounds = profile_round.phase_split(target, drafter, prompts, cfg)
+  assert set(ms) == {"draft", "verify", "accept+commit"} and min(ms.values()) > 0
+  assert 2 <= rounds <= 16  # 8 tokens after the first for each prompt, 1 to 3 a round
+  per_round, loop_rounds = bench.round_seconds(target, drafter, prompts[0], cfg)
+  assert per_round > 0 and 1 <= loop_rounds <= 8
+
+  step = bench.step_profile(target, prompts[0], cfg, steps=4)
+  params = target.params
+  weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params)) - params["embedding"].nbytes
+  assert step["weight_bytes"] == weight_bytes
+  floor_s = step["bandwidth_floor_ms"] / 1e3
+  assert step["step_over_floor"] == pytest.approx(step["decode_step_ms"] / 1e3 / floor_s)
+
+
+@pytest.mark.parametrize("on_host", [True, False])
+def test_copy_bandwidth_counts_bytes_read_and_written(on_host):
+  # Both copies (numpy's, and the jitted one accelerators use) land in a plausible range.
+  assert 1e8 < bench.copy_bandwidth(64 << 20, repeats=3, on_host=on_host) < 1e13
