@@ -760,4 +760,4 @@ def define_flags():
 
 
 if __name__ == "__main__":
-  cli.run(main, define_flags)
+  cli.run(main, define_flags, full_float32=True)

@@ -159,4 +159,4 @@ def define_flags():
 
 
 if __name__ == "__main__":
-  cli.run(run, define_flags)
+  cli.run(run, define_flags, full_float32=True)

@@ -4,7 +4,8 @@ Every program (`train.distill`, `train.selfdistill`, `infer.generate`, `infer.be
 `infer.profile_round`, `infer.tune_tree`) ends bad input with one `error:` line and exit code 1,
 never a traceback: a bad `--config` (an unknown key, variant or file) and any `ValueError`
 (or `FloatingPointError`, a diverged training run) raised by its main. Each keeps what XLA
-compiles for the next run (`keep_compiled_programs`).
+compiles for the next run (`keep_compiled_programs`). The decoding programs (`infer.*`)
+compute float32 matrix products in float32 (`full_float32_matmuls`).
 """
 
 import contextlib
@@ -56,10 +57,28 @@ def keep_compiled_programs(max_bytes: int = 4 << 30) -> None:
     jax.config.update("jax_compilation_cache_max_size", max_bytes)
 
 
-def run(main, define_flags) -> None:
+def full_float32_matmuls() -> contextlib.AbstractContextManager:
+  """Matrix products of float32 operands in full float32 precision (`jax.default_matmul_
+  precision("highest")`), unless the user chose one (`JAX_DEFAULT_MATMUL_PRECISION`).
+
+  By default GPUs multiply float32 in TF32 (and TPUs in bfloat16 passes), whose rounding
+  differs between a tree's verification and a plain decoding step: greedy speculative output
+  can then differ from plain decoding's where two tokens nearly tie (one of 8 MT-Bench prompts
+  on an H100). XLA:CPU multiplies float32 in float32 either way; bfloat16 operands are not
+  affected.
+  """
+  import jax
+
+  if "JAX_DEFAULT_MATMUL_PRECISION" in os.environ:
+    return contextlib.nullcontext()
+  return jax.default_matmul_precision("highest")
+
+
+def run(main, define_flags, full_float32: bool = False) -> None:
   """Defines the flags (`define_flags()`), parses them and runs `main()` as the program.
 
   A config file with a default is loaded, and its overrides applied, as its flag is defined.
+  `full_float32`: run `main` under `full_float32_matmuls()` (the decoding programs).
   """
   with _flag_errors():
     define_flags()
@@ -71,7 +90,8 @@ def run(main, define_flags) -> None:
       logging.set_verbosity(logging.WARNING)  # jax logs its backend probing at INFO
     keep_compiled_programs()
     try:
-      main()
+      with full_float32_matmuls() if full_float32 else contextlib.nullcontext():
+        main()
     except (ValueError, FloatingPointError) as e:
       sys.exit(f"error: {e}")
 
