@@ -63,9 +63,9 @@ def full_float32_matmuls() -> contextlib.AbstractContextManager:
 
   By default GPUs multiply float32 in TF32 (and TPUs in bfloat16 passes), whose rounding
   differs between a tree's verification and a plain decoding step: greedy speculative output
-  can then differ from plain decoding's where two tokens nearly tie (one of 8 MT-Bench prompts
-  on an H100). XLA:CPU multiplies float32 in float32 either way; bfloat16 operands are not
-  affected.
+  can then differ from plain decoding's where two tokens nearly tie (seen for medusa in
+  `infer.bench` on an H100). XLA:CPU multiplies float32 in float32 either way; bfloat16
+  operands are not affected.
   """
   import jax
 
