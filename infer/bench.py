@@ -264,6 +264,8 @@ def round_seconds(target, drafter, ids, cfg, repeats=3) -> tuple[float, int]:
   """
   import jax
 
+  if cfg.max_new_tokens < 2:
+    raise ValueError(f"timing rounds needs max_new_tokens >= 2, got {cfg.max_new_tokens}")
   key = jax.random.key(0)
   cfg = dataclasses.replace(cfg, eos_ids=())
   long_run = OurMethod(target, drafter, cfg, 0)

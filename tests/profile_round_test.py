@@ -50,6 +50,8 @@ def test_a_random_target_profiles_round_parts_loop_and_step(monkeypatch):
   assert 2 <= rounds <= 16  # 8 tokens after the first for each prompt, 1 to 3 a round
   per_round, loop_rounds = bench.round_seconds(target, drafter, prompts[0], cfg)
   assert per_round > 0 and 1 <= loop_rounds <= 8
+  with pytest.raises(ValueError, match="max_new_tokens >= 2, got 1"):
+    bench.round_seconds(target, drafter, prompts[0], decode.DecodeConfig(max_new_tokens=1))
 
   step = bench.step_profile(target, prompts[0], cfg, steps=4)
   params = target.params
