@@ -110,7 +110,8 @@ class OurMethod:
 
 class HFMethod:
   """`hf` / `hf_pld`: HF transformers' `generate` (PyTorch) on the same weights, in the same
-  dtype, on a CUDA GPU when JAX runs on one, else on the CPU."""
+  dtype, on a CUDA GPU when JAX runs on one, else on the CPU. In bfloat16 its rounding differs
+  from JAX's, so its outputs can differ from `none`'s without either being wrong."""
 
   def __init__(self, spec, cfg, threads, prompt_lookup: bool, dtype: str = "float32"):
     import jax
@@ -411,6 +412,9 @@ def run(config, progress=True) -> dict:
     raise ValueError("num_prompts and max_new_tokens must be >= 1")
   methods = _values(config.methods, str)
   if any(m in HF_METHODS for m in methods):
+    # On a GPU, torch's copy of the target shares the card: JAX takes memory as it needs it
+    # instead of 75% up front (effective when JAX has not started yet, as in a program).
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     try:
       import torch  # noqa: F401
     except ImportError:

@@ -7,7 +7,8 @@ r"""Where a speculative round spends its time, and what verifying N tree nodes c
 Part 1 runs each method's rounds one phase at a time from the host (each phase jitted on its
 own, timed after `block_until_ready`): draft, verify, accept+commit, in ms per round and as
 shares, against the time per round of the same decode run whole (every round inside one
-jitted `while_loop`, as `pspec_jax.decode` runs it). Part 2 times the verification pass alone
+jitted `while_loop`, as `pspec_jax.decode` runs it); both decode every prompt to
+`--max_new_tokens` (EOS off). Part 2 times the verification pass alone
 for trees of N = 1, 2, 4, ... nodes (N = 1 is the root alone) at the same context, relative to
 one whole auto-regressive round. Part 3 sets the plain decode step against the memory-bandwidth
 floor (every weight a step reads, read once at the measured copy bandwidth). These numbers
@@ -89,7 +90,9 @@ RANDOM = "random:"
 
 
 def random_target(name: str, dtype, seed: int = 0):
-  """A target of the published architecture `name` with random weights, made on the device."""
+  """A target of the published architecture `name` with random weights, made on the device,
+  laid out as the decoding programs load a real one: per-layer weights, and a tied LM head as
+  its own [D, V] array (`checkpoints.load_target(..., untie_head=True)`)."""
   import functools
 
   import jax
@@ -101,7 +104,7 @@ def random_target(name: str, dtype, seed: int = 0):
     raise ValueError(f"unknown architecture {name!r}: known are {', '.join(ARCHITECTURES)}")
   cfg = llama.LlamaConfig(
     name=f"random-{name}",
-    **ARCHITECTURES[name],
+    **(ARCHITECTURES[name] | dict(tie_embeddings=False)),
     scan_layers=False,
     dtype=dtype,
     param_dtype=dtype,
@@ -156,13 +159,17 @@ def run():
     "| sum ms | while_loop ms per round | while_loop / sum |"
   )
   print("|---|---|---|---|---|---|---|---|---|")
+  # Both timings decode every prompt to max_new_tokens (EOS off), so they cover the same rounds.
+  timed_cfg = dataclasses.replace(cfg, eos_ids=())
   for method in FLAGS.methods:
     spec = None if method in ("none", "pld") else FLAGS.drafter
     drafter = drafter_files.resolve_drafter(method, spec, target, num_draft=FLAGS.num_draft)
-    ms, rounds = phase_split(target, drafter, encoded, cfg)
+    ms, rounds = phase_split(target, drafter, encoded, timed_cfg)
     total = sum(ms.values())
     shares = " / ".join(f"{100 * ms[k] / total:.0f}%" for k in ms)
-    loop_s, _ = bench.round_seconds(target, drafter, encoded[0], cfg)
+    loop_s = statistics.median(
+      bench.round_seconds(target, drafter, ids, timed_cfg)[0] for ids in encoded
+    )
     print(
       f"| {method} | {rounds} | {ms['draft']:.2f} | {ms['verify']:.2f} | "
       f"{ms['accept+commit']:.2f} | {shares} | {total:.2f} | {1e3 * loop_s:.2f} | "

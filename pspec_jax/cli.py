@@ -59,7 +59,8 @@ def keep_compiled_programs(max_bytes: int = 4 << 30) -> None:
 
 def full_float32_matmuls() -> contextlib.AbstractContextManager:
   """Matrix products of float32 operands in full float32 precision (`jax.default_matmul_
-  precision("highest")`), unless the user chose one (`JAX_DEFAULT_MATMUL_PRECISION`).
+  precision("highest")`), unless the user chose one (`JAX_DEFAULT_MATMUL_PRECISION`, or
+  `jax.config.update("jax_default_matmul_precision", ...)`).
 
   By default GPUs multiply float32 in TF32 (and TPUs in bfloat16 passes), whose rounding
   differs between a tree's verification and a plain decoding step: greedy speculative output
@@ -69,7 +70,7 @@ def full_float32_matmuls() -> contextlib.AbstractContextManager:
   """
   import jax
 
-  if "JAX_DEFAULT_MATMUL_PRECISION" in os.environ:
+  if jax.config.jax_default_matmul_precision is not None:
     return contextlib.nullcontext()
   return jax.default_matmul_precision("highest")
 
