@@ -1,5 +1,6 @@
 """`infer.profile_round`'s parts on a random target, and the timings it shares with the bench."""
 
+import dataclasses
 import types
 
 import jax
@@ -9,19 +10,13 @@ import pytest
 from configs import common
 from infer import bench, profile_round
 from pspec_jax import decode
-from tests.tiny_models import drafter_for
+from tests.tiny_models import TINY, drafter_for
 
-# A tiny architecture; the test ties its head, which the random target unties.
-TINY_ARCH = dict(
-  vocab_size=64,
-  hidden_size=32,
-  intermediate_size=48,
-  num_layers=2,
-  num_heads=4,
-  num_kv_heads=2,
-  tie_embeddings=False,
-  max_position_embeddings=256,
-)
+# The decoding tests' tiny architecture with a larger vocabulary; a test ties its head, which
+# the random target unties.
+_NOT_ARCHITECTURE = ("name", "scan_layers", "dtype", "param_dtype")
+TINY_ARCH = {k: v for k, v in dataclasses.asdict(TINY).items() if k not in _NOT_ARCHITECTURE}
+TINY_ARCH["vocab_size"] = 64
 
 
 def test_a_random_target_has_the_published_size_without_allocating_it():
