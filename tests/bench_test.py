@@ -1,5 +1,6 @@
 """`python -m infer.bench`: settings, rows, the report and plots, and one real run."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -10,8 +11,9 @@ import jax
 import pytest
 
 from infer import bench
-from pspec_jax import data, drafter_files
+from pspec_jax import data, decode, drafter_files
 from pspec_jax import tree as tree_lib
+from pspec_jax.sampling import SamplingConfig
 from tests.tiny_models import drafter_for, make_target
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,6 +68,22 @@ def test_settings_cover_every_combination_and_say_what_was_left_out():
     s.startswith("pspec K=4 tree chain: the pspec drafter proposes at most K=3") for s in skipped
   )
   assert any(s.startswith("hf at batch size 2") for s in skipped)
+
+
+def test_each_drafter_decodes_with_its_own_tree_per_temperature():
+  target = make_target(1.0)
+  pspec = drafter_for("pspec", target, num_draft=3)
+  pspec = dataclasses.replace(pspec, cfg=pspec.cfg.replace(tree="paths:0", sampling_tree="chain"))
+  settings, _ = bench.settings_of(
+    config(methods="pspec", temperature="0,1"), target, {"pspec": pspec}
+  )
+  trees = {s.temperature: s.tree for s in settings if s.method == "pspec"}
+  assert trees == {0.0: "paths:0", 1.0: "chain"}
+  # A --config.tree given applies at every temperature.
+  settings, _ = bench.settings_of(
+    config(methods="pspec", temperature="0,1", tree="sparse4"), target, {"pspec": pspec}
+  )
+  assert {s.tree for s in settings if s.method == "pspec"} == {"sparse4"}
 
 
 @pytest.mark.parametrize(
@@ -164,7 +182,7 @@ def test_prompt_sets_ship_offline():
 
 def test_a_real_run_writes_results_report_and_plots(tmp_path):
   """The embedded default with its shipped pspec drafter and HF generate, on held-out ShareGPT,
-  greedy and sampled: two families of settings, run one after the other."""
+  greedy (sampling runs the same path; its rows are `test_rows_pool_tau...`'s)."""
   out = tmp_path / "bench"
   result = subprocess.run(
     [
@@ -174,7 +192,6 @@ def test_a_real_run_writes_results_report_and_plots(tmp_path):
       "--config=configs/bench_default.py:smoke",
       "--config.methods=none,pspec,hf",
       "--config.datasets=sharegpt",
-      "--config.temperature=0,1",
       f"--config.out={out}",
     ],
     cwd=ROOT,
@@ -188,21 +205,16 @@ def test_a_real_run_writes_results_report_and_plots(tmp_path):
   assert {"machine", "devices", "jax_version", "target", "drafters", "config"} <= set(
     results["meta"]
   )
-  by_temperature = {0.0: {}, 1.0: {}}
-  for r in results["rows"]:
-    by_temperature[r["temperature"]][r["method"]] = r
-  for rows in by_temperature.values():
-    assert list(rows) == ["none", "pspec", "hf"]
-    for r in rows.values():
-      assert set(r) >= ROW_KEYS and r["dataset"] == "sharegpt" and r["num_prompts"] == 2
-      assert r["tokens_per_s"] > 0 and 0 < r["tokens"] <= 2 * 8 and r["speedup"] > 0
-  assert all(r["lossless"] is None for r in by_temperature[1.0].values())
-  # The drafter's own trees: its greedy one at T = 0, its sampling one (if any) at T = 1.
+  rows = {r["method"]: r for r in results["rows"]}
+  assert list(rows) == ["none", "pspec", "hf"] and len(results["rows"]) == 3
+  for r in rows.values():
+    assert set(r) >= ROW_KEYS and r["dataset"] == "sharegpt" and r["num_prompts"] == 2
+    assert r["temperature"] == 0 and r["tokens_per_s"] > 0 and r["speedup"] > 0
+    assert 0 < r["tokens"] <= 2 * 8
+  # The drafter's own greedy tree.
   shipped = drafter_files.shipped_drafter("smollm2-135m-instruct", "pspec")
   shipped = json.loads((pathlib.Path(shipped) / drafter_files.CONFIG_FILE).read_text())
-  assert by_temperature[0.0]["pspec"]["tree"] == shipped["tree"]
-  assert by_temperature[1.0]["pspec"]["tree"] == (shipped.get("sampling_tree") or shipped["tree"])
-  rows = by_temperature[0.0]
+  assert rows["pspec"]["tree"] == shipped["tree"]
   assert rows["none"]["lossless"] is True and rows["pspec"]["lossless"] is True
   assert isinstance(rows["hf"]["lossless"], bool)
   depth = tree_lib.parse(rows["pspec"]["tree"], rows["pspec"]["num_draft"]).max_depth
@@ -211,6 +223,21 @@ def test_a_real_run_writes_results_report_and_plots(tmp_path):
   assert sum(shares) == pytest.approx(1.0) and min(shares) > 0
   assert (out / "report.md").read_text().startswith("# Decoding benchmark")
   assert (out / "speedup.png").exists() and (out / "tau.png").exists()
+
+
+@pytest.mark.parametrize("prompt_lookup", [False, True])
+def test_hf_generate_samples_reproducibly_from_the_key(tmp_path, prompt_lookup):
+  from llama_test import HF_CONFIGS, save_hf_llama
+
+  save_hf_llama(tmp_path, **HF_CONFIGS["gqa_untied"])
+  cfg = decode.DecodeConfig(
+    max_new_tokens=12, sampling=SamplingConfig(temperature=1.0), eos_ids=(95,)
+  )
+  hf = bench.HFMethod(str(tmp_path), cfg, threads=1, prompt_lookup=prompt_lookup)
+  prompt = [[3, 1, 4, 1, 5, 9, 2, 6]]
+  draws = [hf(prompt, jax.random.key(seed)).tokens[0] for seed in (0, 0, 1, 2)]
+  assert draws[0] == draws[1] and 1 <= len(draws[0]) <= 12
+  assert draws[0] != draws[2] or draws[0] != draws[3]  # a random 96-token model: not greedy
 
 
 LLAMA2_13B_CONFIG = dict(

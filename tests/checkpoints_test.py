@@ -174,3 +174,27 @@ def test_one_gguf_file_is_parsed_once_until_it_changes(tmp_path):
   assert checkpoints._gguf_reader(str(copy)) is first  # config, weights and EOS ids share it
   os.utime(copy, ns=(0, 0))
   assert checkpoints._gguf_reader(str(copy)) is not first
+
+
+def test_gguf_header_reads_as_the_gguf_packages_reader(tmp_path):
+  import gguf
+
+  from pspec_jax import gguf_file
+
+  path = checkpoints.resolve_target("smollm2-135m-instruct").path
+  ours, reference = gguf_file.GGUFFile(path), gguf.GGUFReader(path)
+  fields = {k: f.contents() for k, f in reference.fields.items() if not k.startswith("GGUF.")}
+  assert ours.fields == fields  # tokenizer arrays, strings, ints and floats alike
+  assert [t.name for t in ours.tensors] == [t.name for t in reference.tensors]
+  for mine, theirs in zip(ours.tensors, reference.tensors, strict=True):
+    assert mine.shape == tuple(int(n) for n in theirs.shape)
+    assert mine.tensor_type == theirs.tensor_type and mine.data.dtype == theirs.data.dtype
+    np.testing.assert_array_equal(mine.data, theirs.data)
+  # A file cut short anywhere is one error, whether in its header or its tensors.
+  with open(path, "rb") as fh:
+    head = fh.read(4 << 20)
+  for size in (3, 100, 10_000, 4 << 20):
+    cut = tmp_path / f"cut{size}.gguf"
+    cut.write_bytes(head[:size])
+    with pytest.raises(ValueError, match="corrupt GGUF file"):
+      checkpoints.load_target_config(str(cut))

@@ -1,5 +1,9 @@
 """infer.tune_tree: the acceptance it measures is decoding's own, and its table is consistent."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -129,3 +133,19 @@ def test_write_stores_the_choices_as_the_drafters_trees(target, tmp_path):
   assert loaded.cfg.tree == "paths:0+min:0.2+lookup:6"
   assert loaded.cfg.sampling_tree == "lookup:6"
   assert decode.pool_tree(decode.DecodeConfig(), loaded).lookup == 6
+
+
+def test_write_without_a_drafter_directory_fails_before_loading_the_target():
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  result = subprocess.run(
+    [sys.executable, "-m", "infer.tune_tree", "--drafter=random", "--write"],
+    cwd=root,
+    env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert result.returncode != 0 and "Traceback" not in result.stderr
+  assert result.stderr.strip() == (
+    "error: --write needs a drafter directory (a trained drafter, not pld or random)"
+  )
