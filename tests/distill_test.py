@@ -1,4 +1,4 @@
-"""`train.selfdistill` and `train.distill` end to end on the smoke config, with a SIGKILL."""
+"""`train.distill` end to end on the smoke config, with a SIGKILL."""
 
 import json
 import os
@@ -30,7 +30,7 @@ def _command(module, workdir, cache, *extra):
   ]
 
 
-def _env():
+def cli_env():
   return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", HF_HUB_OFFLINE="1")
 
 
@@ -45,7 +45,11 @@ def uninterrupted(tmp_path_factory):
   base = tmp_path_factory.mktemp("distill")
   workdir, cache = base / "run", base / "cache"
   result = subprocess.run(
-    _command("train.distill", workdir, cache), cwd=ROOT, env=_env(), capture_output=True, text=True
+    _command("train.distill", workdir, cache),
+    cwd=ROOT,
+    env=cli_env(),
+    capture_output=True,
+    text=True,
   )
   assert result.returncode == 0, result.stderr[-3000:]
   return workdir, cache
@@ -73,7 +77,7 @@ def test_eval_only_scores_the_last_checkpoint(uninterrupted, tmp_path):
   result = subprocess.run(
     _command("train.distill", copy, cache, "--eval_only"),
     cwd=ROOT,
-    env=_env(),
+    env=cli_env(),
     capture_output=True,
     text=True,
   )
@@ -94,7 +98,7 @@ def test_killed_run_resumes_where_it_stopped(uninterrupted, tmp_path):
   proc = subprocess.Popen(
     _command("train.distill", workdir, cache),
     cwd=ROOT,
-    env=_env(),
+    env=cli_env(),
     stdout=subprocess.DEVNULL,
     stderr=subprocess.DEVNULL,
   )
@@ -110,7 +114,11 @@ def test_killed_run_resumes_where_it_stopped(uninterrupted, tmp_path):
   proc.wait()
   killed_at = max(int(d) for d in os.listdir(checkpoints) if d.isdigit())
   result = subprocess.run(
-    _command("train.distill", workdir, cache), cwd=ROOT, env=_env(), capture_output=True, text=True
+    _command("train.distill", workdir, cache),
+    cwd=ROOT,
+    env=cli_env(),
+    capture_output=True,
+    text=True,
   )
   assert result.returncode == 0, result.stderr[-3000:]
   assert f"resumed from step {killed_at} (data position {killed_at * 2})" in result.stdout
@@ -130,72 +138,12 @@ def test_nan_loss_stops_with_the_last_checkpoint_intact(uninterrupted, tmp_path)
       "train.distill", workdir, cache, "--config.train.lr=1e30", "--config.train.clip_norm=1e30"
     ),
     cwd=ROOT,
-    env=_env(),
+    env=cli_env(),
     capture_output=True,
     text=True,
   )
   assert result.returncode != 0
   assert "error: loss is" in result.stderr and "Traceback" not in result.stderr
-
-
-def test_selfdistill_writes_resumable_shards(tmp_path, smollm2):
-  out = tmp_path / "sd"
-  command = [
-    sys.executable,
-    "-m",
-    "train.selfdistill",
-    f"--config={SMOKE}",
-    f"--config.selfdistill.out={out}",
-  ]
-  result = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True)
-  assert result.returncode == 0, result.stderr[-3000:]
-  shards = sorted(os.listdir(out))
-  assert shards == ["part-00000.jsonl", "part-00001.jsonl"]
-  records = [json.loads(line) for s in shards for line in (out / s).read_text().splitlines()]
-  assert len(records) == 4
-  for r in records:
-    turns = r["conversations"]
-    assert turns[-2]["from"] == "user" and turns[-1]["from"] == "gpt" and turns[-1]["value"]
-  # Batches are formed by prompt length (shard 0's two prompts swap places), yet every record
-  # holds its own prompt's greedy answer.
-  prompts = [_prompt_ids(smollm2[1], r) for r in records]
-  assert len(prompts[0]) > len(prompts[1])
-  answers = [r["conversations"][-1]["value"] for r in records]
-  assert answers[0] != answers[1]
-  assert answers == _greedy_answers(smollm2, prompts[:2]) + _greedy_answers(smollm2, prompts[2:])
-  # A missing shard, and one shorter than the config asks for (as after raising
-  # num_conversations), are answered again; greedy, so with the same answers.
-  written = [(out / name).read_text() for name in shards]
-  (out / shards[0]).unlink()
-  (out / shards[1]).write_text(written[1].splitlines(keepends=True)[0])
-  result = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True)
-  assert result.returncode == 0, result.stderr[-3000:]
-  assert [(out / name).read_text() for name in shards] == written
-
-
-def _prompt_ids(tokenizer, record):
-  turns = [{"role": t["from"], "content": t["value"]} for t in record["conversations"][:-1]]
-  text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
-  return tokenizer(text, add_special_tokens=False).input_ids
-
-
-def _greedy_answers(smollm2, prompts, max_new_tokens=8):
-  """The target's greedy answers to `prompts`, decoded in one batch (as one shard is)."""
-  import jax
-
-  from pspec_jax import checkpoints, data, decode
-
-  target, tokenizer = smollm2
-  cfg = decode.DecodeConfig(
-    max_new_tokens=max_new_tokens,
-    eos_ids=checkpoints.eos_token_ids("smollm2-135m-instruct", tokenizer),
-    pad_id=tokenizer.pad_token_id or 0,
-  )
-  out = decode.generate(target, *data.pad_batch(prompts), jax.random.key(0), cfg)
-  return [
-    tokenizer.decode(out.tokens[row, : out.lengths[row]].tolist(), skip_special_tokens=True)
-    for row in range(len(prompts))
-  ]
 
 
 def test_workdir_urls_are_kept_and_local_paths_made_absolute(tmp_path, monkeypatch):
@@ -231,7 +179,7 @@ def test_two_processes_train_as_one(uninterrupted, smollm2, tmp_path):
         "--config.train.steps=4",
       ),
       cwd=ROOT,
-      env=_env(),
+      env=cli_env(),
       stdout=subprocess.PIPE,
       stderr=subprocess.PIPE,
       text=True,
