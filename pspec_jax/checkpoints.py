@@ -293,8 +293,8 @@ def _unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def _gguf_reader(path: str):
-  """The file's parsed header and memory-mapped tensors. Parsing takes seconds, so the config,
-  the weights and the EOS ids of one file share one reader (until the file changes)."""
+  """The file's parsed header and memory-mapped tensors: the config, the weights and the EOS ids
+  of one file share one reader (until the file changes)."""
   try:
     stat = os.stat(path)
   except OSError as e:
@@ -307,7 +307,7 @@ def _parsed_gguf(path: str, size: int, mtime_ns: int) -> gguf_file.GGUFFile:
   del size, mtime_ns  # the cache key: a rewritten file is parsed again
   try:
     return gguf_file.GGUFFile(path)
-  except ValueError as e:
+  except (ValueError, OSError) as e:
     raise ValueError(f"corrupt GGUF file {path}: {e}") from None
 
 

@@ -6,6 +6,7 @@ tokenizer's 100k strings takes seconds at each program start. This reads the sam
 """
 
 import dataclasses
+import math
 import struct
 from typing import Any
 
@@ -15,6 +16,8 @@ from gguf.quants import quant_shape_to_byte_shape
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4  # ggml's
+MAX_NESTING = 8  # arrays of arrays of ...: deeper than any writer goes
 # Metadata value types: the struct format of each scalar; 8 is a string, 9 an array.
 _SCALARS = {
   0: "B",
@@ -44,6 +47,8 @@ _PLAIN = {
 
 @dataclasses.dataclass(frozen=True)
 class Tensor:
+  """One tensor of the file, its data a read-only view of the memory map."""
+
   name: str
   shape: tuple[int, ...]  # as GGUF lists dims: innermost first
   tensor_type: GGMLQuantizationType
@@ -51,9 +56,9 @@ class Tensor:
 
 
 class GGUFFile:
-  """`fields`: metadata key -> value (int, float, bool, str or list); `tensors` in file order.
-
-  Raises ValueError on anything but a well-formed little-endian GGUF file of version 2 or 3.
+  """A GGUF file (version 2 or 3, little-endian) opened for reading: its metadata as `fields`
+  (key -> int, float, bool, str or list) and its `tensors` in file order. A file that is not
+  one, is cut short or is inconsistent raises ValueError.
   """
 
   def __init__(self, path: str):
@@ -65,6 +70,8 @@ class GGUFFile:
         raise ValueError("not a GGUF file (bad magic)")
       self._offset = 4
       (version,) = self._read("I")
+      if version & 0xFFFF == 0:
+        raise ValueError("big-endian GGUF files are not supported")
       if version not in (2, 3):
         raise ValueError(f"unsupported GGUF version {version} (2 and 3 are read)")
       num_tensors, num_fields = self._read("QQ")
@@ -72,10 +79,14 @@ class GGUFFile:
       for _ in range(num_fields):
         key = self._string()
         (kind,) = self._read("I")
+        if key in self.fields:
+          raise ValueError(f"metadata key {key!r} appears twice")
         self.fields[key] = self._value(kind)
       infos = [self._tensor_info() for _ in range(num_tensors)]
+      if len({info[0] for info in infos}) < len(infos):
+        raise ValueError("a tensor name appears twice")
       alignment = self.fields.get("general.alignment", DEFAULT_ALIGNMENT)
-      if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+      if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"bad general.alignment {alignment!r}")
       start = -(-self._offset // alignment) * alignment
       self.tensors = [self._tensor(start, *info) for info in infos]
@@ -96,7 +107,7 @@ class GGUFFile:
     self._offset = end
     return text
 
-  def _value(self, kind: int) -> Any:
+  def _value(self, kind: int, depth: int = 0) -> Any:
     if kind in _SCALARS:
       return self._read(_SCALARS[kind])[0]
     if kind == _STRING:
@@ -105,20 +116,27 @@ class GGUFFile:
       raise ValueError(f"unknown GGUF metadata type {kind}")
     item_kind, n = self._read("IQ")
     if item_kind in _SCALARS:
-      fmt = _SCALARS[item_kind]
-      return list(self._read(f"{n}{fmt}")) if n else []
-    return [self._value(item_kind) for _ in range(n)]
+      return list(self._read(f"{n}{_SCALARS[item_kind]}")) if n else []
+    if depth >= MAX_NESTING:
+      raise ValueError(f"metadata arrays nested deeper than {MAX_NESTING}")
+    return [self._value(item_kind, depth + 1) for _ in range(n)]
 
   def _tensor_info(self) -> tuple:
     name = self._string()
     (num_dims,) = self._read("I")
+    if not 1 <= num_dims <= MAX_DIMS:
+      raise ValueError(f"tensor {name} has {num_dims} dimensions (1 to {MAX_DIMS} are read)")
     shape = self._read(f"{num_dims}Q")
     kind, offset = self._read("IQ")
-    return name, shape, GGMLQuantizationType(kind), offset
+    try:
+      kind = GGMLQuantizationType(kind)
+    except ValueError:
+      raise ValueError(f"tensor {name} has unknown type {kind}") from None
+    return name, shape, kind, offset
 
   def _tensor(self, start: int, name, shape, kind, offset) -> Tensor:
     block, type_size = GGML_QUANT_SIZES[kind]
-    count = int(np.prod(shape))
+    count = math.prod(shape)
     num_bytes = count * type_size // block
     begin = start + offset
     if begin + num_bytes > len(self._buf):

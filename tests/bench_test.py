@@ -1,6 +1,5 @@
 """`python -m infer.bench`: settings, rows, the report and plots, and one real run."""
 
-import dataclasses
 import json
 import os
 import pathlib
@@ -73,12 +72,15 @@ def test_settings_cover_every_combination_and_say_what_was_left_out():
 def test_each_drafter_decodes_with_its_own_tree_per_temperature():
   target = make_target(1.0)
   pspec = drafter_for("pspec", target, num_draft=3)
-  pspec = dataclasses.replace(pspec, cfg=pspec.cfg.replace(tree="paths:0", sampling_tree="chain"))
+  pspec = pspec.replace(cfg=pspec.cfg.replace(tree="paths:0", sampling_tree="chain"))
   settings, _ = bench.settings_of(
     config(methods="pspec", temperature="0,1"), target, {"pspec": pspec}
   )
   trees = {s.temperature: s.tree for s in settings if s.method == "pspec"}
   assert trees == {0.0: "paths:0", 1.0: "chain"}
+  for s in settings:  # each decodes at its own temperature, with its own tree
+    cfg = s.decode_config(max_new_tokens=4, eos_ids=(), pad_id=0)
+    assert cfg.sampling.temperature == s.temperature and cfg.tree == s.tree
   # A --config.tree given applies at every temperature.
   settings, _ = bench.settings_of(
     config(methods="pspec", temperature="0,1", tree="sparse4"), target, {"pspec": pspec}

@@ -184,7 +184,7 @@ def test_gguf_header_reads_as_the_gguf_packages_reader(tmp_path):
   path = checkpoints.resolve_target("smollm2-135m-instruct").path
   ours, reference = gguf_file.GGUFFile(path), gguf.GGUFReader(path)
   fields = {k: f.contents() for k, f in reference.fields.items() if not k.startswith("GGUF.")}
-  assert ours.fields == fields  # tokenizer arrays, strings, ints and floats alike
+  assert _typed(ours.fields) == _typed(fields)  # tokenizer arrays, strings, ints, bools, floats
   assert [t.name for t in ours.tensors] == [t.name for t in reference.tensors]
   for mine, theirs in zip(ours.tensors, reference.tensors, strict=True):
     assert mine.shape == tuple(int(n) for n in theirs.shape)
@@ -198,3 +198,102 @@ def test_gguf_header_reads_as_the_gguf_packages_reader(tmp_path):
     cut.write_bytes(head[:size])
     with pytest.raises(ValueError, match="corrupt GGUF file"):
       checkpoints.load_target_config(str(cut))
+
+
+def _typed(fields):
+  """Values with their types (True == 1 == 1.0 in Python)."""
+  typed = lambda v: [typed(x) for x in v] if isinstance(v, list) else (type(v), v)  # noqa: E731
+  return {k: typed(v) for k, v in fields.items()}
+
+
+def test_gguf_header_reads_every_value_and_tensor_type(tmp_path):
+  import gguf
+  import ml_dtypes
+
+  from pspec_jax import gguf_file
+
+  path = tmp_path / "all.gguf"
+  writer = gguf.GGUFWriter(str(path), "llama")
+  writer.add_custom_alignment(64)
+  writer.add_bool("t.flag", True)
+  writer.add_int64("t.big", -(2**40))
+  writer.add_float64("t.pi", 3.25)
+  writer.add_uint8("t.byte", 200)
+  writer.add_array("t.floats", [0.5, -1.5])
+  writer.add_array("t.bools", [True, False])
+  writer.add_array("t.nested", [[1, 2], [3]])
+  rng = np.random.default_rng(0)
+  tensors = {
+    "f16": rng.standard_normal((3, 5)).astype(np.float16),
+    "i32": np.arange(24, dtype=np.int32).reshape(2, 3, 4),
+    "f32": rng.standard_normal(7).astype(np.float32),
+  }
+  for name, x in tensors.items():
+    writer.add_tensor(name, x)
+  bf16 = rng.standard_normal((2, 6)).astype(ml_dtypes.bfloat16)
+  writer.add_tensor("bf16", bf16.view(np.uint8), raw_dtype=gguf.GGMLQuantizationType.BF16)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+
+  ours = gguf_file.GGUFFile(str(path))
+  assert _typed({k: v for k, v in ours.fields.items() if k.startswith("t.")}) == _typed(
+    {
+      "t.flag": True,
+      "t.big": -(2**40),
+      "t.pi": 3.25,
+      "t.byte": 200,
+      "t.floats": [0.5, -1.5],
+      "t.bools": [True, False],
+      "t.nested": [[1, 2], [3]],
+    }
+  )
+  assert ours.fields["general.alignment"] == 64
+  reference = gguf.GGUFReader(str(path))
+  assert [t.name for t in ours.tensors] == ["f16", "i32", "f32", "bf16"]
+  for mine, theirs in zip(ours.tensors, reference.tensors, strict=True):
+    assert mine.shape == tuple(int(n) for n in theirs.shape)
+    assert mine.data.dtype == theirs.data.dtype and mine.data.shape == theirs.data.shape
+    np.testing.assert_array_equal(mine.data, theirs.data)
+  for name, x in tensors.items():
+    np.testing.assert_array_equal(ours.tensors[[t.name for t in ours.tensors].index(name)].data, x)
+  np.testing.assert_array_equal(ours.tensors[3].data.view(ml_dtypes.bfloat16), bf16)
+
+
+def _header(*fields, tensors=()):
+  """A GGUF v3 header: (key, type, payload bytes) fields, then (name, dims, type) tensor infos."""
+  import struct
+
+  out = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(fields))
+  for key, kind, payload in fields:
+    out += struct.pack("<Q", len(key)) + key.encode() + struct.pack("<I", kind) + payload
+  for name, dims, kind in tensors:
+    out += struct.pack("<Q", len(name)) + name.encode() + struct.pack("<I", len(dims))
+    out += struct.pack(f"<{len(dims)}QIQ", *dims, kind, 0)
+  return out
+
+
+@pytest.mark.parametrize(
+  "body,message",
+  [
+    (_header(("a", 4, b"\1\0\0\0"), ("a", 4, b"\2\0\0\0")), "'a' appears twice"),
+    (
+      _header(("n", 9, b"".join(b"\x09\0\0\0\1\0\0\0\0\0\0\0" for _ in range(20)))),
+      "nested deeper",
+    ),
+    (_header(("general.alignment", 7, b"\1")), "bad general.alignment True"),
+    (_header(("x", 13, b"")), "unknown GGUF metadata type 13"),
+    (_header(tensors=[("w", (), 2)]), "tensor w has 0 dimensions"),
+    (_header(tensors=[("w", (4,), 99)]), "tensor w has unknown type 99"),
+    (_header(tensors=[("w", (4,), 0), ("w", (4,), 0)]), "a tensor name appears twice"),
+    (_header(tensors=[("w", (4,), 0)]), "tensor w runs past the end"),
+    (b"GGUF\0\0\0\3" + bytes(16), "big-endian"),
+    (b"GGUF\1\0\0\0" + bytes(16), "unsupported GGUF version 1"),
+  ],
+)
+def test_a_malformed_gguf_header_is_one_clear_error(tmp_path, body, message):
+  bad = tmp_path / "bad.gguf"
+  bad.write_bytes(body)
+  with pytest.raises(ValueError, match=f"corrupt GGUF file .*{message}"):
+    checkpoints.load_target_config(str(bad))

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import transformers
 from tiny_models import PROMPTS, drafter_for, make_target, padded
 
 from infer import tune_tree
@@ -135,10 +136,21 @@ def test_write_stores_the_choices_as_the_drafters_trees(target, tmp_path):
   assert decode.pool_tree(decode.DecodeConfig(), loaded).lookup == 6
 
 
-def test_write_without_a_drafter_directory_fails_before_loading_the_target():
+def test_write_without_a_drafter_directory_fails_before_loading_the_target(tmp_path):
+  # A target of a config alone: loading its tokenizer or weights would be another error.
+  transformers.LlamaConfig(
+    vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
+  ).save_pretrained(tmp_path)
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   result = subprocess.run(
-    [sys.executable, "-m", "infer.tune_tree", "--drafter=random", "--write"],
+    [
+      sys.executable,
+      "-m",
+      "infer.tune_tree",
+      f"--target={tmp_path}",
+      "--drafter=random",
+      "--write",
+    ],
     cwd=root,
     env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""),
     capture_output=True,
