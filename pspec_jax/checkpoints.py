@@ -311,18 +311,14 @@ def _parsed_gguf(path: str, size: int, mtime_ns: int) -> gguf_file.GGUFFile:
     raise ValueError(f"corrupt GGUF file {path}: {e}") from None
 
 
-def _gguf_field(reader: gguf_file.GGUFFile, key, default=None):
-  return reader.fields.get(key, default)
-
-
-def _gguf_config(reader, name: str, **overrides) -> LlamaConfig:
-  arch = _gguf_field(reader, "general.architecture")
+def _gguf_config(reader: gguf_file.GGUFFile, name: str, **overrides) -> LlamaConfig:
+  arch = reader.fields.get("general.architecture")
   if arch != "llama":
     raise ValueError(f"unsupported GGUF architecture {arch!r}: only llama is supported")
   names = {t.name for t in reader.tensors}
 
   def get(key, default=None):
-    value = _gguf_field(reader, f"llama.{key}", default)
+    value = reader.fields.get(f"llama.{key}", default)
     if value is None:
       raise ValueError(f"GGUF file lacks the metadata key llama.{key}")
     return value
@@ -332,11 +328,11 @@ def _gguf_config(reader, name: str, **overrides) -> LlamaConfig:
     raise ValueError("GGUF file has no token_embd.weight tensor")
   num_heads = get("attention.head_count")
   hidden = get("embedding_length")
-  if _gguf_field(reader, "llama.rope.scaling.type") not in (None, "none"):
+  if reader.fields.get("llama.rope.scaling.type") not in (None, "none"):
     raise ValueError("unsupported GGUF RoPE scaling: only unscaled RoPE is read from GGUF")
   return LlamaConfig(
     name=name,
-    vocab_size=int(_gguf_field(reader, "llama.vocab_size", embed.shape[1])),
+    vocab_size=int(reader.fields.get("llama.vocab_size", embed.shape[1])),
     hidden_size=hidden,
     intermediate_size=get("feed_forward_length"),
     num_layers=get("block_count"),
@@ -506,7 +502,7 @@ def eos_token_ids(spec: str, tokenizer) -> tuple[int, ...]:
         eos = json.load(fh).get("eos_token_id")
       ids.update([eos] if isinstance(eos, int) else eos or [])
   else:
-    eos = _gguf_field(_gguf_reader(source.path), "tokenizer.ggml.eos_token_id")
+    eos = _gguf_reader(source.path).fields.get("tokenizer.ggml.eos_token_id")
     if eos is not None:
       ids.add(int(eos))
   return tuple(sorted(ids))

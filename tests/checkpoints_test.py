@@ -202,7 +202,10 @@ def test_gguf_header_reads_as_the_gguf_packages_reader(tmp_path):
 
 def _typed(fields):
   """Values with their types (True == 1 == 1.0 in Python)."""
-  typed = lambda v: [typed(x) for x in v] if isinstance(v, list) else (type(v), v)  # noqa: E731
+
+  def typed(v):
+    return [typed(x) for x in v] if isinstance(v, list) else (type(v), v)
+
   return {k: typed(v) for k, v in fields.items()}
 
 
