@@ -446,12 +446,12 @@ def _placer(cfg: LlamaConfig, mesh: Mesh | None) -> Callable | None:
 
 def load_tokenizer(spec: str):
   """The target's HF tokenizer (from the directory, or built from the GGUF metadata)."""
-  from transformers import AutoTokenizer
-
   source = resolve_target(spec)
   try:
     if source.kind == "gguf":
       return _gguf_tokenizer(source.path)
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(source.path)
   except (OSError, ValueError) as e:
     raise ValueError(f"cannot load the tokenizer of {spec}: {e}") from None
@@ -460,13 +460,14 @@ def load_tokenizer(spec: str):
 def _gguf_tokenizer(path: str):
   """Building a tokenizer from GGUF metadata takes seconds, so it is built once per file (and
   transformers version) and read back from a copy saved in HF format under
-  `pspec_jax.cache_dir("tokenizers")`."""
+  `pspec_jax.cache_dir("tokenizers")`. Read back as the fast tokenizer it was saved as, which,
+  unlike `AutoTokenizer`, does not import torch (1.2 s of every program start)."""
   import hashlib
   import shutil
   import tempfile
 
   import transformers
-  from transformers import AutoTokenizer
+  from transformers import PreTrainedTokenizerFast
 
   path = os.path.abspath(path)
   stat = os.stat(path)
@@ -474,7 +475,9 @@ def _gguf_tokenizer(path: str):
   cache = pspec_jax.cache_dir("tokenizers")
   cached = os.path.join(cache, hashlib.sha256(key.encode()).hexdigest()[:16])
   if os.path.isfile(os.path.join(cached, "tokenizer.json")):
-    return AutoTokenizer.from_pretrained(cached)
+    return PreTrainedTokenizerFast.from_pretrained(cached)
+  from transformers import AutoTokenizer
+
   directory, filename = os.path.split(path)
   tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
   partial = None

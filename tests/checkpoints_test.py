@@ -3,6 +3,8 @@
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -161,7 +163,16 @@ def test_a_gguf_tokenizer_is_built_once_then_read_back(tmp_path, monkeypatch, sm
   expected = smollm2[1].apply_chat_template(chat, add_generation_prompt=True)
   for tokenizer in (built, read):
     assert tokenizer.apply_chat_template(chat, add_generation_prompt=True) == expected
+    assert tokenizer.decode(expected, skip_special_tokens=True) == smollm2[1].decode(
+      expected, skip_special_tokens=True
+    )
     assert tokenizer.eos_token_id == 2 and len(tokenizer) == 49152
+  # Reading it back does not import torch (over a second of every program start).
+  program = "import sys; from pspec_jax import checkpoints as c; "
+  program += "c.load_tokenizer('smollm2-135m-instruct'); print('torch' in sys.modules)"
+  env = dict(os.environ, PSPEC_JAX_CACHE=str(tmp_path))
+  run = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True)
+  assert run.stdout.split() == ["False"], run.stderr[-2000:]
   # An unwritable cache costs time, not the tokenizer.
   monkeypatch.setenv("PSPEC_JAX_CACHE", "/proc/no-such-dir")
   assert len(checkpoints.load_tokenizer("smollm2-135m-instruct")) == 49152
