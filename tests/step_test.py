@@ -49,7 +49,9 @@ def test_sharded_step_equals_one_device(kind):
   for shape in MESHES:
     mesh = sharding.make_mesh(**shape)
     (params, metrics), state = _one_step(kind, mesh)
-    assert float(metrics["loss"]) == pytest.approx(float(want_metrics["loss"]), rel=1e-5)
+    # A KL near 0 is a difference of O(1) terms: float32 rounding is absolute, ~1e-7.
+    loss, want_loss = float(metrics["loss"]), float(want_metrics["loss"])
+    assert loss == pytest.approx(want_loss, rel=1e-5, abs=1e-7)
     np.testing.assert_allclose(metrics["agree_per_depth"], want_metrics["agree_per_depth"])
     jax.tree.map(
       lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), params, want_params
