@@ -184,6 +184,11 @@ def training_config(
       eval_batches=8,
       checkpoint_every=500,
       keep_checkpoints=3,
+      # A drafter directory to start from instead of random weights (an `export/`, or
+      # "shipped": the drafter of this kind shipped for the target), e.g. to fine-tune it on
+      # your own data. Its shape must be the config's; it starts a fresh optimizer at step 0.
+      # A workdir with a checkpoint resumes from that and ignores this.
+      init_from="",
     )
   )
   c.mesh = ml_collections.ConfigDict(mesh)  # (data, fsdp, tensor); -1: the rest

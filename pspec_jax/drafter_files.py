@@ -17,7 +17,7 @@ from flax import traverse_util
 
 from pspec_jax.checkpoints import read_safetensors
 from pspec_jax.drafter import KINDS, Drafter, DrafterConfig, init_params, random_drafter
-from pspec_jax.llama import RopeScaling, Target
+from pspec_jax.llama import LlamaConfig, RopeScaling, Target
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "drafter.json"
@@ -72,8 +72,9 @@ def save_drafter(
   (out / CONFIG_FILE).write_text(json.dumps(config, indent=2))
 
 
-def load_drafter(directory: str, target: Target) -> Drafter:
-  """Reads a drafter saved by `save_drafter` for `target`. One ValueError for any bad input."""
+def read_drafter_config(directory: str, target: LlamaConfig) -> DrafterConfig:
+  """The config of a drafter saved by `save_drafter`, checked against the target it is for;
+  reads `drafter.json` only. One ValueError for any bad input."""
   config_path = os.path.join(directory, CONFIG_FILE)
   if not os.path.isfile(config_path):
     raise ValueError(f"drafter not found: {config_path} does not exist")
@@ -89,18 +90,18 @@ def load_drafter(directory: str, target: Target) -> Drafter:
       f"drafter {directory} has format version {config['format_version']}; this pspec_jax "
       f"reads up to {FORMAT_VERSION}: upgrade pspec_jax"
     )
-  t = target.cfg
-  if identity != (t.name, t.vocab_size, t.hidden_size):
+  if identity != (target.name, target.vocab_size, target.hidden_size):
     raise ValueError(
       f"the drafter in {directory} was built for target {identity[0]!r} (vocab {identity[1]}, "
-      f"width {identity[2]}), not for {t.name!r} (vocab {t.vocab_size}, width {t.hidden_size})"
+      f"width {identity[2]}), not for {target.name!r} (vocab {target.vocab_size}, "
+      f"width {target.hidden_size})"
     )
   try:
     layer = dict(config.get("layer", {}))
     scaling = layer.pop("rope_scaling", None)
     cfg = DrafterConfig.for_target(
       config["kind"],
-      t,
+      target,
       num_draft=int(config.get("num_draft", 1)),
       tree=str(config.get("tree", "chain")),
       sampling_tree=str(config.get("sampling_tree", "")),
@@ -111,6 +112,12 @@ def load_drafter(directory: str, target: Target) -> Drafter:
     )
   except (ValueError, KeyError, TypeError, AttributeError) as e:
     raise ValueError(f"corrupt drafter config {config_path}: {e}") from None
+  return cfg
+
+
+def load_drafter(directory: str, target: Target) -> Drafter:
+  """Reads a drafter saved by `save_drafter` for `target`. One ValueError for any bad input."""
+  cfg = read_drafter_config(directory, target.cfg)
   expected = traverse_util.flatten_dict(
     jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))), sep="/"
   )
@@ -126,7 +133,7 @@ def load_drafter(directory: str, target: Target) -> Drafter:
   vocab = None
   if cfg.draft_vocab_size:
     vocab = np.asarray(params.pop(VOCAB_TENSOR))
-    if vocab.min() < 0 or vocab.max() >= t.vocab_size or len(set(vocab.tolist())) < len(vocab):
+    if vocab.min() < 0 or vocab.max() >= cfg.vocab_size or len(set(vocab.tolist())) < len(vocab):
       raise ValueError(f"drafter {directory}: corrupt draft vocabulary ({VOCAB_TENSOR})")
     vocab = jnp.asarray(vocab, jnp.int32)
   params = {k: jnp.asarray(np.asarray(v, np.float32), cfg.param_dtype) for k, v in params.items()}

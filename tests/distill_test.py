@@ -9,7 +9,9 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
+from flax import traverse_util
 
 from pspec_jax import drafter_files
 
@@ -127,6 +129,46 @@ def test_killed_run_resumes_where_it_stopped(uninterrupted, tmp_path):
   for r in _train_lines(reference):
     if r["step"] > killed_at:
       assert resumed[r["step"]]["loss"] == pytest.approx(r["loss"], rel=1e-5)
+
+
+def test_a_run_started_from_a_drafter_file_keeps_it_until_it_trains(
+  uninterrupted, smollm2, tmp_path
+):
+  """`train.init_from`: a fresh workdir starts from the drafter file's weights and vocabulary;
+  restarted, it resumes its own checkpoint instead."""
+  reference, cache = uninterrupted
+  start = reference / "export"
+  workdir = tmp_path / "run"
+
+  def run(*extra):
+    result = subprocess.run(
+      _command("train.distill", workdir, cache, f"--config.train.init_from={start}", *extra),
+      cwd=ROOT,
+      env=cli_env(),
+      capture_output=True,
+      text=True,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+  # At learning rate 0 the run exports the drafter it started from.
+  out = run("--config.train.lr=0", "--config.train.steps=2")
+  assert f"starting from the drafter in {start}" in out
+  assert "draft vocabulary: the starting drafter's 16384 tokens" in out
+  target, _ = smollm2
+  first = drafter_files.load_drafter(str(start), target)
+  want = traverse_util.flatten_dict(first.params, sep="/")
+  got = drafter_files.load_drafter(str(workdir / "export"), target)
+  np.testing.assert_array_equal(got.vocab, first.vocab)
+  assert traverse_util.flatten_dict(got.params, sep="/").keys() == want.keys()
+  for name, value in traverse_util.flatten_dict(got.params, sep="/").items():
+    np.testing.assert_array_equal(value, want[name], err_msg=name)
+  # Restarted with a longer schedule, it resumes at step 2 and trains on from there.
+  out = run("--config.train.steps=3")
+  assert "resumed from step 2" in out and "starting from" not in out
+  trained = drafter_files.load_drafter(str(workdir / "export"), target)
+  changed = traverse_util.flatten_dict(trained.params, sep="/")
+  assert any(not np.array_equal(changed[name], want[name]) for name in want)
 
 
 def test_nan_loss_stops_with_the_last_checkpoint_intact(uninterrupted, tmp_path):

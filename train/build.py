@@ -6,8 +6,19 @@ import os
 import jax.numpy as jnp
 import ml_collections
 
-from pspec_jax import checkpoints, llama
+from pspec_jax import checkpoints, drafter_files, llama
 from pspec_jax.drafter import DrafterConfig
+
+# What makes two drafters' parameters interchangeable (the target's identity aside).
+_SHAPE_FIELDS = (
+  "kind",
+  "num_draft",
+  "num_heads",
+  "num_kv_heads",
+  "head_dim",
+  "intermediate_size",
+  "draft_vocab_size",
+)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -82,3 +93,27 @@ def drafter_config(config: ml_collections.ConfigDict, target: llama.LlamaConfig)
     param_dtype=dtype(d.param_dtype),
     draft_vocab_size=d.draft_vocab_size,
   )
+
+
+def init_from(config: ml_collections.ConfigDict, target: llama.LlamaConfig) -> str | None:
+  """The drafter directory `train.init_from` names, checked against the config's drafter from
+  its `drafter.json` alone (before anything is loaded or compiled); None when it is empty."""
+  spec = config.train.init_from
+  if not spec:
+    return None
+  kind = config.drafter.kind
+  directory = drafter_files.shipped_drafter(target.name, kind) if spec == "shipped" else spec
+  if directory is None:
+    raise ValueError(f"train.init_from=shipped: no {kind} drafter ships for {target.name!r}")
+  try:
+    have = drafter_files.read_drafter_config(directory, target)
+  except ValueError as e:
+    raise ValueError(f"train.init_from: {e}") from None
+  want = drafter_config(config, target)
+  for field in _SHAPE_FIELDS:
+    if getattr(have, field) != getattr(want, field):
+      raise ValueError(
+        f"train.init_from: the drafter in {directory} has {field}={getattr(have, field)}, "
+        f"the config's drafter {getattr(want, field)}: they must be the same"
+      )
+  return directory

@@ -8,6 +8,8 @@ The workdir holds orbax checkpoints (`checkpoints/`), `metrics.jsonl`, TensorBoa
 (`tb/`) and, at the end, the drafter in the engine's file format (`export/`). Restarted with
 the same workdir, a run resumes from its last complete checkpoint at the same step and data
 position. A NaN or Inf loss stops the run before anything is saved from that step on.
+`--config.train.init_from=DIR` (or `shipped`) starts a fresh workdir from an exported drafter
+instead of random weights, e.g. to fine-tune the shipped one on other data.
 """
 
 import json
@@ -79,13 +81,14 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
 
   from pspec_jax import checkpoints, data, sharding
   from pspec_jax.drafter import Drafter
-  from pspec_jax.drafter_files import save_drafter
+  from pspec_jax.drafter_files import load_drafter, save_drafter
   from train import build, features, metrics_log
   from train import step as step_lib
 
   transformers.logging.set_verbosity_error()
   cfg = step_config(config)
   build.check_target_exists(config)
+  init_dir = build.init_from(config, cfg.target)
   if config.distributed:
     initialize_cluster(config.cluster)
     if config.data.cache_features:
@@ -132,11 +135,6 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
   train_step = step_lib.jit_train_step(cfg, place)
   eval_step = step_lib.jit_eval_step(cfg, place)
   key = jax.random.key(config.seed)
-  vocab = None
-  if cfg.drafter.draft_vocab_size:
-    vocab = data.frequent_tokens(loaded["train"], cfg.drafter.draft_vocab_size)
-  state = step_lib.jit_init(cfg, place)(jax.random.fold_in(key, 1), vocab)
-
   manager = ocp.CheckpointManager(
     workdir_path(workdir) / "checkpoints",
     options=ocp.CheckpointManagerOptions(
@@ -148,6 +146,17 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
   start = manager.latest_step()
   if eval_only and start is None:
     raise ValueError(f"{workdir} has no checkpoint to evaluate")
+  if start is None and init_dir:
+    initial = load_drafter(init_dir, target)
+    vocab = initial.vocab
+    state = step_lib.jit_init_from(cfg, place)(initial.params, vocab)
+    if main:
+      print(f"starting from the drafter in {init_dir}", flush=True)
+  else:
+    vocab = None
+    if cfg.drafter.draft_vocab_size:
+      vocab = data.frequent_tokens(loaded["train"], cfg.drafter.draft_vocab_size)
+    state = step_lib.jit_init(cfg, place)(jax.random.fold_in(key, 1), vocab)
   if start is not None:
     restored = manager.restore(
       start,
@@ -168,7 +177,13 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
       vocab = multihost_utils.process_allgather(state.draft_vocab, tiled=True)
     coverage = {s: data.coverage(loaded[s], vocab) for s in loaded}
     if main:
-      which = "the checkpoint's {} tokens" if start is not None else "the {} most frequent tokens"
+      which = (
+        "the checkpoint's {} tokens"
+        if start is not None
+        else "the starting drafter's {} tokens"
+        if init_dir
+        else "the {} most frequent tokens"
+      )
       print(
         f"draft vocabulary: {which.format(len(vocab))} cover {coverage['train']:.1%} of "
         f"the training and {coverage['heldout']:.1%} of the held-out answers",

@@ -216,6 +216,16 @@ def jit_init(cfg: StepConfig, place: Placement):
   )
 
 
+def jit_init_from(cfg: StepConfig, place: Placement):
+  """(drafter params, draft_vocab) -> a fresh TrainState that starts from those parameters."""
+  return jax.jit(
+    lambda params, vocab: init_state(
+      cfg, jax.tree.map(lambda p: p.astype(cfg.drafter.param_dtype), params), vocab
+    ),
+    out_shardings=place.state,
+  )
+
+
 def jit_train_step(cfg: StepConfig, place: Placement):
   """The jitted, sharded `train_step`; the state argument is donated."""
   return jax.jit(
