@@ -21,9 +21,9 @@ Expected speedup = tokens per round x plain round time / round time, at temperat
    over the calibration prompts at each `--temperatures` T against plain decoding, interleaved
    prompt by prompt (`infer.bench`'s measurement), and the fastest is chosen per temperature.
 The tool prints the tables and the `--tree` flags (`infer.generate`, `infer.bench`); `--write`
-stores the choices as the drafter's own trees in its drafter.json (`tree` at T = 0,
-`sampling_tree` above). Calibration prompts default to ShareGPT's held-out split, so a
-benchmark on MT-Bench stays out of sample.
+stores the choices as the drafter's own trees in its drafter.json, for this kind of device
+(`device_trees.<cpu|gpu|tpu>`: `tree` at T = 0, `sampling_tree` above). Calibration prompts
+default to ShareGPT's held-out split, so a benchmark on MT-Bench stays out of sample.
 """
 
 import json
@@ -181,20 +181,23 @@ def tune_end_to_end(
   return rows, best
 
 
-def write_trees(directory: str, best: dict[float, str]) -> None:
-  """Stores the chosen trees in a drafter file: `tree` for T = 0, `sampling_tree` for T > 0."""
+def write_trees(directory: str, best: dict[float, str], platform: str) -> None:
+  """Stores the chosen trees in a drafter file for the platform they were timed on
+  (`device_trees`): `tree` for T = 0, `sampling_tree` for T > 0. Other platforms keep theirs."""
   from pspec_jax import drafter_files
 
   path = os.path.join(directory, drafter_files.CONFIG_FILE)
   with open(path) as fh:
     config = json.load(fh)
+  trees = config.setdefault(drafter_files.DEVICE_TREES, {}).setdefault(platform, {})
   for t, tree in best.items():
-    config["tree" if t == 0 else "sampling_tree"] = tree
+    trees["tree" if t == 0 else "sampling_tree"] = tree
   with open(path, "w") as fh:
     fh.write(json.dumps(config, indent=2) + "\n")
 
 
 def run():
+  import jax
   import transformers
 
   from pspec_jax import checkpoints, data, drafter_files
@@ -286,7 +289,7 @@ def run():
     for t, tree in best.items():
       print(f"\nAt T = {t:g} use: --tree={tree}")
     if FLAGS.write:
-      write_trees(directory, best)
+      write_trees(directory, best, jax.default_backend())
       print(f"\nWrote them to {os.path.join(directory, 'drafter.json')}")
   if FLAGS.out:
     meta = dict(

@@ -1,10 +1,10 @@
 """Drafter files: a directory with `drafter.json` (config) and `drafter.safetensors` (params).
 
-The JSON records the drafter's kind, K, tree presets (greedy, and optionally sampling), layer
-widths and the identity of the target it was built for (name, vocab size, feature width);
-loading it against another target is one clear error. Parameters are stored flat
-(`block/attn/q`, ...), in float32 or bfloat16, next to the token ids of a restricted draft
-vocabulary (`draft_vocab`), if the drafter has one.
+The JSON records the drafter's kind, K, tree presets (greedy and optionally sampling, plus
+per-device ones, `device_trees`), layer widths and the identity of the target it was built for
+(name, vocab size, feature width); loading it against another target is one clear error.
+Parameters are stored flat (`block/attn/q`, ...), in float32 or bfloat16, next to the token ids
+of a restricted draft vocabulary (`draft_vocab`), if the drafter has one.
 """
 
 import json
@@ -23,6 +23,8 @@ FORMAT_VERSION = 1
 CONFIG_FILE = "drafter.json"
 PARAMS_FILE = "drafter.safetensors"
 VOCAB_TENSOR = "draft_vocab"  # int32 token ids of a restricted draft vocabulary
+# {platform: {"tree": ..., "sampling_tree": ...}}: trees tuned on one kind of device.
+DEVICE_TREES = "device_trees"
 # Drafters trained by the project, by target name and kind: drafters/<target>/<kind>/.
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "drafters")
 _LAYER_FIELDS = {  # name -> type
@@ -72,9 +74,16 @@ def save_drafter(
   (out / CONFIG_FILE).write_text(json.dumps(config, indent=2))
 
 
-def read_drafter_config(directory: str, target: LlamaConfig) -> DrafterConfig:
+def read_drafter_config(
+  directory: str, target: LlamaConfig, platform: str | None = None
+) -> DrafterConfig:
   """The config of a drafter saved by `save_drafter`, checked against the target it is for;
-  reads `drafter.json` only. One ValueError for any bad input."""
+  reads `drafter.json` only. One ValueError for any bad input.
+
+  Its trees are those of `device_trees[platform]` where the file has an entry for `platform`
+  (default: JAX's backend, `cpu`, `gpu` or `tpu`), else the file's `tree` and `sampling_tree`:
+  the tree that decodes fastest depends on what a verified node costs on the device.
+  """
   config_path = os.path.join(directory, CONFIG_FILE)
   if not os.path.isfile(config_path):
     raise ValueError(f"drafter not found: {config_path} does not exist")
@@ -99,12 +108,15 @@ def read_drafter_config(directory: str, target: LlamaConfig) -> DrafterConfig:
   try:
     layer = dict(config.get("layer", {}))
     scaling = layer.pop("rope_scaling", None)
+    trees = config.get(DEVICE_TREES, {}).get(platform or jax.default_backend(), {})
+    if set(trees) - {"tree", "sampling_tree"}:
+      raise ValueError(f"{DEVICE_TREES} entries hold tree and sampling_tree, not {set(trees)}")
     cfg = DrafterConfig.for_target(
       config["kind"],
       target,
       num_draft=int(config.get("num_draft", 1)),
-      tree=str(config.get("tree", "chain")),
-      sampling_tree=str(config.get("sampling_tree", "")),
+      tree=str(trees.get("tree", config.get("tree", "chain"))),
+      sampling_tree=str(trees.get("sampling_tree", config.get("sampling_tree", ""))),
       max_ngram=int(config.get("max_ngram", 3)),
       draft_vocab_size=int(config.get("draft_vocab_size", 0)),
       rope_scaling=None if scaling is None else RopeScaling(**scaling),

@@ -3,6 +3,7 @@ command line's `resolve_drafter`."""
 
 import json
 import os
+import pathlib
 
 import jax
 import numpy as np
@@ -113,6 +114,42 @@ def test_decoding_takes_the_sampling_tree_above_temperature_zero(target, tmp_pat
   )
   with pytest.raises(ValueError, match="tree"):
     medusa.cfg.replace(sampling_tree="bushy")
+
+
+def test_trees_tuned_for_a_kind_of_device_are_taken_there(target, tmp_path):
+  drafter_files.save_drafter(str(tmp_path), make_drafter("pspec", target))
+  path = tmp_path / drafter_files.CONFIG_FILE
+  config = json.loads(path.read_text())
+  config["sampling_tree"] = "chain"
+  config["device_trees"] = {
+    "gpu": {"tree": "sparse16+lookup:6"},
+    "tpu": {"sampling_tree": "lookup"},
+  }
+  path.write_text(json.dumps(config))
+
+  def trees(platform):
+    cfg = drafter_files.read_drafter_config(str(tmp_path), target.cfg, platform)
+    return cfg.tree, cfg.sampling_tree
+
+  assert trees("gpu") == ("sparse16+lookup:6", "chain")  # its entry, else the file's own
+  assert trees("tpu") == ("sparse6", "lookup")
+  assert trees("cpu") == ("sparse6", "chain")  # no entry: the file's trees
+  assert drafter_files.load_drafter(str(tmp_path), target).cfg.tree == "sparse6"  # on this CPU
+
+
+def test_shipped_drafters_read_on_every_kind_of_device():
+  from configs import smollm2_135m
+  from train import build
+
+  target = build.target_config(smollm2_135m.get_config())
+  for kind in ("pspec", "eagle", "medusa"):
+    directory = drafter_files.shipped_drafter(target.name, kind)
+    config = json.loads((pathlib.Path(directory) / drafter_files.CONFIG_FILE).read_text())
+    for platform in ("cpu", "gpu", "tpu"):
+      own = config.get("device_trees", {}).get(platform, {})
+      cfg = drafter_files.read_drafter_config(directory, target, platform)
+      assert cfg.tree == own.get("tree", config["tree"])
+      assert cfg.sampling_tree == own.get("sampling_tree", config["sampling_tree"])
 
 
 # --- bad files -------------------------------------------------------------------------------
@@ -259,6 +296,9 @@ def test_resolve_a_saved_drafter_checks_its_kind(target, tmp_path):
     lambda c: c["layer"].update(rope_scaling={"factor": 8.0}),
     lambda c: c["layer"].update(num_heads="four"),
     lambda c: c.update(num_draft="x"),
+    lambda c: c.update(device_trees={"cpu": {"tree": "bushy"}}),
+    lambda c: c.update(device_trees={"cpu": {"tree_for_gpu": "chain"}}),
+    lambda c: c.update(device_trees=["cpu"]),
   ],
 )
 def test_corrupt_fields_are_one_clear_error(target, tmp_path, edit):

@@ -129,11 +129,18 @@ def test_end_to_end_times_every_tree_at_every_temperature_and_picks_the_fastest(
 
 def test_write_stores_the_choices_as_the_drafters_trees(target, tmp_path):
   drafter_files.save_drafter(str(tmp_path), drafter_for("pspec", target))
-  tune_tree.write_trees(str(tmp_path), {0.0: "paths:0+min:0.2+lookup:6", 1.0: "lookup:6"})
+  tune_tree.write_trees(str(tmp_path), {0.0: "paths:0+min:0.2+lookup:6", 1.0: "lookup:6"}, "cpu")
   loaded = drafter_files.load_drafter(str(tmp_path), target)
   assert loaded.cfg.tree == "paths:0+min:0.2+lookup:6"
   assert loaded.cfg.sampling_tree == "lookup:6"
   assert decode.pool_tree(decode.DecodeConfig(), loaded).lookup == 6
+  # Trees timed on one kind of device are that device's: another keeps the file's own.
+  tune_tree.write_trees(str(tmp_path), {0.0: "sparse8"}, "gpu")
+  on_gpu = drafter_files.read_drafter_config(str(tmp_path), target.cfg, "gpu")
+  assert (on_gpu.tree, on_gpu.sampling_tree) == ("sparse8", "")
+  assert drafter_files.load_drafter(str(tmp_path), target).cfg.tree == "paths:0+min:0.2+lookup:6"
+  on_tpu = drafter_files.read_drafter_config(str(tmp_path), target.cfg, "tpu")
+  assert on_tpu.tree == drafter_for("pspec", target).cfg.tree
 
 
 def test_write_without_a_drafter_directory_fails_before_loading_the_target(tmp_path):
