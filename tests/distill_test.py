@@ -151,10 +151,15 @@ def test_a_run_started_from_a_drafter_file_keeps_it_until_it_trains(
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
-  # At learning rate 0 the run exports the drafter it started from.
+  # Scored before any training, and trained at learning rate 0, it is the drafter it started
+  # from: the same held-out scores, the same exported weights.
+  (before,) = [x for x in run("--eval_only").splitlines() if x.startswith("held-out at step 0: ")]
   out = run("--config.train.lr=0", "--config.train.steps=2")
   assert f"starting from the drafter in {start}" in out
   assert "draft vocabulary: the starting drafter's 16384 tokens" in out
+  after = json.loads((workdir / "metrics.jsonl").read_text().splitlines()[-1])
+  assert after["step"] == 2
+  assert after["eval/loss"] == pytest.approx(json.loads(before.split(": ", 1)[1])["loss"])
   target, _ = smollm2
   first = drafter_files.load_drafter(str(start), target)
   want = traverse_util.flatten_dict(first.params, sep="/")

@@ -9,7 +9,8 @@ The workdir holds orbax checkpoints (`checkpoints/`), `metrics.jsonl`, TensorBoa
 the same workdir, a run resumes from its last complete checkpoint at the same step and data
 position. A NaN or Inf loss stops the run before anything is saved from that step on.
 `--config.train.init_from=DIR` (or `shipped`) starts a fresh workdir from an exported drafter
-instead of random weights, e.g. to fine-tune the shipped one on other data.
+instead of random weights, e.g. to fine-tune the shipped one on other data (with `--eval_only`:
+score it on the held-out split first).
 """
 
 import json
@@ -144,8 +145,8 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
     ),
   )
   start = manager.latest_step()
-  if eval_only and start is None:
-    raise ValueError(f"{workdir} has no checkpoint to evaluate")
+  if eval_only and start is None and not init_dir:
+    raise ValueError(f"{workdir} has no checkpoint to evaluate (nor a train.init_from)")
   if start is None and init_dir:
     initial = load_drafter(init_dir, target)
     vocab = initial.vocab
@@ -324,7 +325,10 @@ def define_flags():
     "dry_run", False, "Print the per-device memory plan and exit; allocates nothing."
   )
   flags.DEFINE_bool(
-    "eval_only", False, "Evaluate the workdir's last checkpoint on the held-out split and exit."
+    "eval_only",
+    False,
+    "Evaluate the workdir's last checkpoint (or, in a fresh workdir, the train.init_from "
+    "drafter) on the held-out split and exit.",
   )
 
 
