@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from pspec_jax import tree as tree_lib
 from pspec_jax.checkpoints import read_safetensors
 from pspec_jax.drafter import KINDS, Drafter, DrafterConfig, init_params, random_drafter
 from pspec_jax.llama import LlamaConfig, RopeScaling, Target
@@ -108,9 +109,18 @@ def read_drafter_config(
   try:
     layer = dict(config.get("layer", {}))
     scaling = layer.pop("rope_scaling", None)
-    trees = config.get(DEVICE_TREES, {}).get(platform or jax.default_backend(), {})
-    if set(trees) - {"tree", "sampling_tree"}:
-      raise ValueError(f"{DEVICE_TREES} entries hold tree and sampling_tree, not {set(trees)}")
+    device_trees = config.get(DEVICE_TREES, {})
+    if not isinstance(device_trees, dict) or not all(
+      isinstance(e, dict) and set(e) <= {"tree", "sampling_tree"} for e in device_trees.values()
+    ):
+      raise ValueError(f"{DEVICE_TREES} must map a platform to its tree and sampling_tree")
+    for platform_name, entry in device_trees.items():
+      for name, spec in entry.items():
+        try:
+          tree_lib.parse(spec, int(config.get("num_draft", 1)))
+        except ValueError as e:
+          raise ValueError(f"{DEVICE_TREES}.{platform_name}.{name}: {e}") from None
+    trees = device_trees.get(platform or jax.default_backend(), {})
     cfg = DrafterConfig.for_target(
       config["kind"],
       target,

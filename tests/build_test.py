@@ -29,13 +29,15 @@ def test_a_drafter_of_another_shape_is_one_clear_error(changes, message):
     build.init_from(config, distill.step_config(config).target)
 
 
-def test_a_missing_drafter_is_one_clear_error(tmp_path):
+def test_a_missing_drafter_is_one_clear_error_and_a_matching_one_is_taken(tmp_path):
   config = _smoke(str(tmp_path))
   target = distill.step_config(config).target
   with pytest.raises(ValueError, match="train.init_from: drafter not found: .*drafter.json"):
     build.init_from(config, target)
   config.train.init_from = ""
   assert build.init_from(config, target) is None
+  config.train.init_from = "shipped"
+  assert build.init_from(config, target) == shipped_drafter(target.name, "pspec")
   config = llama2_7b.get_config()
   config.train.init_from = "shipped"
   with pytest.raises(ValueError, match="init_from=shipped: no pspec drafter ships for"):

@@ -1,5 +1,6 @@
 """`train.distill` end to end on the smoke config, with a SIGKILL."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import ml_dtypes
 import numpy as np
 import pytest
 from flax import traverse_util
@@ -137,7 +139,13 @@ def test_a_run_started_from_a_drafter_file_keeps_it_until_it_trains(
   """`train.init_from`: a fresh workdir starts from the drafter file's weights and vocabulary;
   restarted, it resumes its own checkpoint instead."""
   reference, cache = uninterrupted
-  start = reference / "export"
+  target, _ = smollm2
+  # The smoke run's drafter, drafting over its vocabulary in reverse order: not what a run
+  # would choose from the data itself.
+  exported = drafter_files.load_drafter(str(reference / "export"), target)
+  first = dataclasses.replace(exported, vocab=exported.vocab[::-1])
+  start = tmp_path / "start"
+  drafter_files.save_drafter(str(start), first, dtype=ml_dtypes.bfloat16)
   workdir = tmp_path / "run"
 
   def run(*extra):
@@ -160,15 +168,15 @@ def test_a_run_started_from_a_drafter_file_keeps_it_until_it_trains(
   after = json.loads((workdir / "metrics.jsonl").read_text().splitlines()[-1])
   assert after["step"] == 2
   assert after["eval/loss"] == pytest.approx(json.loads(before.split(": ", 1)[1])["loss"])
-  target, _ = smollm2
-  first = drafter_files.load_drafter(str(start), target)
   want = traverse_util.flatten_dict(first.params, sep="/")
   got = drafter_files.load_drafter(str(workdir / "export"), target)
   np.testing.assert_array_equal(got.vocab, first.vocab)
   assert traverse_util.flatten_dict(got.params, sep="/").keys() == want.keys()
   for name, value in traverse_util.flatten_dict(got.params, sep="/").items():
     np.testing.assert_array_equal(value, want[name], err_msg=name)
-  # Restarted with a longer schedule, it resumes at step 2 and trains on from there.
+  # Restarted with a longer schedule, it resumes at step 2 and trains on from there; the
+  # starting drafter is not needed any more.
+  shutil.rmtree(start)
   out = run("--config.train.steps=3")
   assert "resumed from step 2" in out and "starting from" not in out
   trained = drafter_files.load_drafter(str(workdir / "export"), target)

@@ -1,5 +1,6 @@
 """Turns an experiment config (ml_collections) into library objects; shared by train mains."""
 
+import dataclasses
 import math
 import os
 
@@ -9,17 +10,8 @@ import ml_collections
 from pspec_jax import checkpoints, drafter_files, llama
 from pspec_jax.drafter import DrafterConfig
 
-# What makes two drafters' parameters interchangeable (the target's identity aside).
-_SHAPE_FIELDS = (
-  "kind",
-  "num_draft",
-  "num_heads",
-  "num_kv_heads",
-  "head_dim",
-  "intermediate_size",
-  "draft_vocab_size",
-)
-
+# Settings of a drafter that its weights do not fix: a starting drafter may differ in them.
+_FREE_FIELDS = ("tree", "sampling_tree", "max_ngram", "dtype", "param_dtype")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -96,8 +88,12 @@ def drafter_config(config: ml_collections.ConfigDict, target: llama.LlamaConfig)
 
 
 def init_from(config: ml_collections.ConfigDict, target: llama.LlamaConfig) -> str | None:
-  """The drafter directory `train.init_from` names, checked against the config's drafter from
-  its `drafter.json` alone (before anything is loaded or compiled); None when it is empty."""
+  """The drafter directory `train.init_from` names, or None when it is empty.
+
+  `shipped` is the drafter of the config's kind shipped for the target. The drafter's
+  `drafter.json` alone is checked against the config's drafter (everything but its trees and
+  dtypes must agree), before anything is loaded or compiled.
+  """
   spec = config.train.init_from
   if not spec:
     return None
@@ -110,10 +106,11 @@ def init_from(config: ml_collections.ConfigDict, target: llama.LlamaConfig) -> s
   except ValueError as e:
     raise ValueError(f"train.init_from: {e}") from None
   want = drafter_config(config, target)
-  for field in _SHAPE_FIELDS:
-    if getattr(have, field) != getattr(want, field):
+  for field in dataclasses.fields(want):
+    mine, theirs = getattr(want, field.name), getattr(have, field.name)
+    if field.name not in _FREE_FIELDS and mine != theirs:
       raise ValueError(
-        f"train.init_from: the drafter in {directory} has {field}={getattr(have, field)}, "
-        f"the config's drafter {getattr(want, field)}: they must be the same"
+        f"train.init_from: the drafter in {directory} has {field.name}={theirs}, the config's "
+        f"drafter {mine}: they must be the same"
       )
   return directory

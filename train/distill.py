@@ -89,7 +89,6 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
   transformers.logging.set_verbosity_error()
   cfg = step_config(config)
   build.check_target_exists(config)
-  init_dir = build.init_from(config, cfg.target)
   if config.distributed:
     initialize_cluster(config.cluster)
     if config.data.cache_features:
@@ -101,6 +100,19 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
       f"train.batch_size={t.batch_size} must divide over {jax.process_count()} hosts and "
       f"train.microbatches={t.microbatches}"
     )
+  manager = ocp.CheckpointManager(
+    workdir_path(workdir) / "checkpoints",
+    options=ocp.CheckpointManagerOptions(
+      max_to_keep=t.keep_checkpoints,
+      save_interval_steps=t.checkpoint_every,
+      enable_async_checkpointing=True,
+    ),
+  )
+  start = manager.latest_step()
+  # A run that resumes has its own weights: it needs no starting drafter, not even to exist.
+  init_dir = build.init_from(config, cfg.target) if start is None else None
+  if eval_only and start is None and not init_dir:
+    raise ValueError(f"{workdir} has no checkpoint to evaluate (nor a train.init_from)")
 
   # Data first: bad data is reported before the model is loaded or anything compiled.
   tokenizer = checkpoints.load_tokenizer(config.target.checkpoint)
@@ -136,18 +148,7 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
   train_step = step_lib.jit_train_step(cfg, place)
   eval_step = step_lib.jit_eval_step(cfg, place)
   key = jax.random.key(config.seed)
-  manager = ocp.CheckpointManager(
-    workdir_path(workdir) / "checkpoints",
-    options=ocp.CheckpointManagerOptions(
-      max_to_keep=t.keep_checkpoints,
-      save_interval_steps=t.checkpoint_every,
-      enable_async_checkpointing=True,
-    ),
-  )
-  start = manager.latest_step()
-  if eval_only and start is None and not init_dir:
-    raise ValueError(f"{workdir} has no checkpoint to evaluate (nor a train.init_from)")
-  if start is None and init_dir:
+  if init_dir:
     initial = load_drafter(init_dir, target)
     vocab = initial.vocab
     state = step_lib.jit_init_from(cfg, place)(initial.params, vocab)
@@ -178,13 +179,12 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
       vocab = multihost_utils.process_allgather(state.draft_vocab, tiled=True)
     coverage = {s: data.coverage(loaded[s], vocab) for s in loaded}
     if main:
-      which = (
-        "the checkpoint's {} tokens"
-        if start is not None
-        else "the starting drafter's {} tokens"
-        if init_dir
-        else "the {} most frequent tokens"
-      )
+      if start is not None:
+        which = "the checkpoint's {} tokens"
+      elif init_dir:
+        which = "the starting drafter's {} tokens"
+      else:
+        which = "the {} most frequent tokens"
       print(
         f"draft vocabulary: {which.format(len(vocab))} cover {coverage['train']:.1%} of "
         f"the training and {coverage['heldout']:.1%} of the held-out answers",
