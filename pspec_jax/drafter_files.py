@@ -109,6 +109,7 @@ def read_drafter_config(
   try:
     layer = dict(config.get("layer", {}))
     scaling = layer.pop("rope_scaling", None)
+    num_draft = int(config.get("num_draft", 1))
     device_trees = config.get(DEVICE_TREES, {})
     if not isinstance(device_trees, dict) or not all(
       isinstance(e, dict) and set(e) <= {"tree", "sampling_tree"} for e in device_trees.values()
@@ -117,14 +118,14 @@ def read_drafter_config(
     for platform_name, entry in device_trees.items():
       for name, spec in entry.items():
         try:
-          tree_lib.parse(spec, int(config.get("num_draft", 1)))
+          tree_lib.parse(spec, num_draft)
         except ValueError as e:
           raise ValueError(f"{DEVICE_TREES}.{platform_name}.{name}: {e}") from None
     trees = device_trees.get(platform or jax.default_backend(), {})
     cfg = DrafterConfig.for_target(
       config["kind"],
       target,
-      num_draft=int(config.get("num_draft", 1)),
+      num_draft=num_draft,
       tree=str(trees.get("tree", config.get("tree", "chain"))),
       sampling_tree=str(trees.get("sampling_tree", config.get("sampling_tree", ""))),
       max_ngram=int(config.get("max_ngram", 3)),
