@@ -31,6 +31,9 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   config.tree = ""
   config.drafter_dir = ""  # a directory of <kind>/ drafters; "" is the ones shipped for target
   config.dtype = "float32"  # of the target's weights and compute
+  # How the target's and drafters' dense weights are stored: "decode" is the fastest layout for
+  # this device (64-column panels on a CPU), or "plain" / "panels" (`pspec_jax.panels`).
+  config.weight_layout = "decode"
   config.hardware = "cpu"  # what --dry_run plans for: cpu, v4-8, v4-32, v5e-16, gpu-80gb
   config.mesh = ""  # shard over a device mesh, e.g. "data=2,tensor=4"; "" is one device
   config.phase_prompts = 1  # prompts run phase by phase for the draft/verify/commit split

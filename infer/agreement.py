@@ -116,7 +116,9 @@ def run() -> None:
   tokenizer = checkpoints.load_tokenizer(FLAGS.target)
   chat = FLAGS.chat if FLAGS.chat is not None else tokenizer.chat_template is not None
   check_settings(records, FLAGS.answers, name, chat)
-  target = checkpoints.load_target(FLAGS.target, scan_layers=False, untie_head=True)
+  target = checkpoints.load_target(
+    FLAGS.target, scan_layers=False, untie_head=True, weight_layout="decode"
+  )
   drafter = drafter_files.resolve_drafter(FLAGS.method, FLAGS.drafter, target).with_head(target)
   agree, loops, rounds, accepted = [], [], 0, 0
   for record in records:

@@ -11,7 +11,7 @@ jitted `while_loop`, as `pspec_jax.decode` runs it); both decode every prompt to
 `--max_new_tokens` (EOS off). Part 2 times the verification pass alone
 for trees of N = 1, 2, 4, ... nodes (N = 1 is the root alone) at the same context, relative to
 one whole auto-regressive round. Part 3 sets the plain decode step against the memory-bandwidth
-floor (every weight a step reads, read once at the measured copy bandwidth). These numbers
+floor (every weight a step reads, read once at the measured streaming-read bandwidth). These numbers
 decide the tree budget on a given machine. Everything is compiled and warmed up before it is
 timed; reported times are medians.
 
@@ -89,16 +89,16 @@ def verify_cost(target, drafter, ids, cfg, nodes, repeats):
 RANDOM = "random:"
 
 
-def random_target(name: str, dtype, seed: int = 0):
+def random_target(name: str, dtype, weight_layout: str, seed: int = 0):
   """A target of the published architecture `name` with random weights, made on the device,
-  laid out as the decoding programs load a real one: per-layer weights, and a tied LM head as
-  its own [D, V] array (`checkpoints.load_target(..., untie_head=True)`)."""
+  laid out as the decoding programs load a real one: per-layer weights, a tied LM head as its
+  own [D, V] array (`checkpoints.load_target(..., untie_head=True)`), in `weight_layout`."""
   import functools
 
   import jax
 
   from configs.common import ARCHITECTURES
-  from pspec_jax import llama
+  from pspec_jax import checkpoints, llama
 
   if name not in ARCHITECTURES:
     raise ValueError(f"unknown architecture {name!r}: known are {', '.join(ARCHITECTURES)}")
@@ -110,10 +110,12 @@ def random_target(name: str, dtype, seed: int = 0):
     param_dtype=dtype,
   )
   params = jax.jit(functools.partial(llama.init_params, cfg))(jax.random.key(seed))
-  return llama.Target(cfg=cfg, params=params)
+  if weight_layout == "decode":
+    weight_layout = checkpoints.decode_layout()
+  return llama.Target(cfg=cfg, params=params).with_weight_layout(weight_layout)
 
 
-def load(spec: str, dtype, num_prompts: int, prompt_tokens: int):
+def load(spec: str, dtype, weight_layout: str, num_prompts: int, prompt_tokens: int):
   """The target, its encoded prompts (MT-Bench first turns, or random ids for a random target)
   and its EOS ids."""
   import numpy as np
@@ -122,7 +124,7 @@ def load(spec: str, dtype, num_prompts: int, prompt_tokens: int):
   from pspec_jax import checkpoints, data
 
   if spec.startswith(RANDOM):
-    target = random_target(spec.removeprefix(RANDOM), dtype)
+    target = random_target(spec.removeprefix(RANDOM), dtype, weight_layout)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, target.cfg.vocab_size, (num_prompts, prompt_tokens)).tolist()
     return target, ids, ()
@@ -131,7 +133,12 @@ def load(spec: str, dtype, num_prompts: int, prompt_tokens: int):
   prompts = data.prompt_set("mt_bench", num_prompts)
   encoded = [data.encode_prompt(tokenizer, p, tokenizer.chat_template is not None) for p in prompts]
   target = checkpoints.load_target(
-    spec, dtype=dtype, param_dtype=dtype, scan_layers=False, untie_head=True
+    spec,
+    dtype=dtype,
+    param_dtype=dtype,
+    scan_layers=False,
+    untie_head=True,
+    weight_layout=weight_layout,
   )
   return target, encoded, checkpoints.eos_token_ids(spec, tokenizer)
 
@@ -145,14 +152,19 @@ def run():
   from pspec_jax import decode, drafter_files
 
   dtype = jax.numpy.dtype(FLAGS.dtype)
-  target, encoded, eos_ids = load(FLAGS.target, dtype, FLAGS.num_prompts, FLAGS.prompt_tokens)
+  target, encoded, eos_ids = load(
+    FLAGS.target, dtype, FLAGS.weight_layout, FLAGS.num_prompts, FLAGS.prompt_tokens
+  )
   cfg = decode.DecodeConfig(
     max_new_tokens=FLAGS.max_new_tokens,
     eos_ids=eos_ids,
     num_draft=FLAGS.num_draft,
     tree=FLAGS.tree,
   )
-  print(f"# Round profile: {FLAGS.target}, {FLAGS.dtype}, K={FLAGS.num_draft}, tree {FLAGS.tree}")
+  print(
+    f"# Round profile: {FLAGS.target}, {FLAGS.dtype}, {target.cfg.weight_layout} weights, "
+    f"K={FLAGS.num_draft}, tree {FLAGS.tree}"
+  )
   print(f"{jax.devices()[0].device_kind} ({jax.default_backend()})\n")
   print(
     "| method | rounds | draft ms | verify ms | accept+commit ms | draft / verify / a+c "
@@ -190,7 +202,7 @@ def run():
   print(
     f"\nPlain decode step (rounds in the while_loop) {step['decode_step_ms']:.2f} ms; "
     f"memory-bandwidth floor {step['bandwidth_floor_ms']:.2f} ms "
-    f"({step['weight_bytes'] / 1e9:.2f} GB of weights / measured copy bandwidth "
+    f"({step['weight_bytes'] / 1e9:.2f} GB of weights / measured read bandwidth "
     f"{step['weight_bytes'] / step['bandwidth_floor_ms'] / 1e6:.0f} GB/s): "
     f"ratio {step['step_over_floor']:.2f}."
   )
@@ -205,6 +217,12 @@ def define_flags():
   )
   flags.DEFINE_enum(
     "dtype", "float32", ["float32", "bfloat16"], "The target's weights and compute."
+  )
+  flags.DEFINE_enum(
+    "weight_layout",
+    "decode",
+    ["decode", "plain", "panels"],
+    "How dense weights are stored: `decode` is the fastest layout for this device.",
   )
   flags.DEFINE_integer("prompt_tokens", 128, "Prompt length for a random target.")
   flags.DEFINE_list("methods", ["pspec", "pld"], "Drafting methods to split into phases.")

@@ -228,7 +228,9 @@ def run():
   prompts = [ids for ids in encoded if len(ids) <= FLAGS.max_prompt_tokens][: FLAGS.num_prompts]
   if not prompts:
     raise ValueError(f"no prompt of {FLAGS.prompts} fits --max_prompt_tokens")
-  target = checkpoints.load_target(FLAGS.target, scan_layers=False, untie_head=True)
+  target = checkpoints.load_target(
+    FLAGS.target, scan_layers=False, untie_head=True, weight_layout="decode"
+  )
   drafter = drafter_files.resolve_drafter(
     FLAGS.method, directory, target, num_draft=FLAGS.num_draft
   )

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from pspec_jax import llama
 from pspec_jax import tree as tree_lib
 from pspec_jax.kv_cache import KVCache
 from pspec_jax.llama import Block, LlamaConfig, RMSNorm, RopeScaling, Target, _param
@@ -58,6 +59,8 @@ class DrafterConfig:
     draft_vocab_size: V', the tokens the drafter can propose (the most frequent ones of its
       training data, stored with it); 0 means the target's whole vocabulary. A smaller draft
       vocabulary makes the drafter's LM head (the target's, restricted to those rows) cheaper.
+    weight_layout: how its dense weights are stored (`LlamaConfig.weight_layout`): the
+      target's, chosen when the target is loaded; never written to a drafter file.
   """
 
   kind: str
@@ -76,6 +79,7 @@ class DrafterConfig:
   rms_norm_eps: float = 1e-5
   max_ngram: int = 3
   draft_vocab_size: int = 0
+  weight_layout: str = "plain"
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
 
@@ -110,6 +114,7 @@ class DrafterConfig:
       rope_theta=target.rope_theta,
       rope_scaling=target.rope_scaling,
       rms_norm_eps=target.rms_norm_eps,
+      weight_layout=target.weight_layout,
       dtype=target.dtype,
       param_dtype=target.param_dtype,
     )
@@ -131,6 +136,7 @@ class DrafterConfig:
       rope_scaling=self.rope_scaling,
       rms_norm_eps=self.rms_norm_eps,
       scan_layers=False,
+      weight_layout=self.weight_layout,
       dtype=self.dtype,
       param_dtype=self.param_dtype,
     )
@@ -151,7 +157,7 @@ class FeatureDrafter(nn.Module):
   def setup(self):
     cfg, d = self.cfg, self.cfg.hidden_size
     init = nn.initializers.normal(0.02)
-    self.fuse = _param(self, "fuse", init, (2 * d, d), ("fused", "embed"), cfg.param_dtype)
+    self.fuse = llama.dense_param(self, "fuse", (2 * d,), (d,), ("fused", "embed"), cfg.layer)
     self.block = Block(cfg.layer)
     self.norm = RMSNorm(cfg.layer)
     if cfg.kind == "pspec":
@@ -162,7 +168,7 @@ class FeatureDrafter(nn.Module):
     """u_t = Fuse([embed(x_{t+1}); f_t])."""
     dt = self.cfg.dtype
     x = jnp.concatenate([embeds_BTD.astype(dt), features_BTD.astype(dt)], axis=-1)
-    return x @ self.fuse.astype(dt)
+    return llama.dense(self.cfg.layer, x, self.fuse, self.cfg.hidden_size)
 
   def slots(self):
     """The learned mask vectors m_1..m_{K-1}."""
@@ -271,6 +277,15 @@ class Drafter:
     f32 = dict(preferred_element_type=jnp.float32)
     return jnp.einsum("...D,VD->...V", g_XD.astype(head.dtype), head, **f32)
 
+  def with_weight_layout(self, layout: str) -> "Drafter":
+    """The same drafter with its dense weights stored in `layout` (`panels.LAYOUTS`)."""
+    if layout == self.cfg.weight_layout:
+      return self
+    plain = self.cfg.replace(weight_layout="plain")
+    shapes = jax.eval_shape(lambda: init_params(plain, jax.random.key(0)))
+    params = llama.relayout(self.params, layout, shapes)
+    return self.replace(cfg=self.cfg.replace(weight_layout=layout), params=params)
+
   def token_ids(self, index_X: jax.Array) -> jax.Array:
     """Token ids of draft-vocabulary indices."""
     return index_X if self.vocab is None else jnp.take(self.vocab, index_X)
@@ -298,7 +313,10 @@ def random_drafter(kind: str, target: Target, key: jax.Array, **overrides) -> Dr
   vocabulary is the first `draft_vocab_size` token ids."""
   cfg = DrafterConfig.for_target(kind, target.cfg, **overrides)
   vocab = jnp.arange(cfg.draft_vocab_size, dtype=jnp.int32) if cfg.draft_vocab_size else None
-  return Drafter(cfg=cfg, params=init_params(cfg, key), vocab=vocab)
+  # Drawn in the plain layout, so a seed gives the same drafter in every layout.
+  plain = cfg.replace(weight_layout="plain")
+  drafter = Drafter(cfg=plain, params=init_params(plain, key), vocab=vocab)
+  return drafter.with_weight_layout(cfg.weight_layout)
 
 
 @struct.dataclass

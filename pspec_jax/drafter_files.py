@@ -50,6 +50,7 @@ def save_drafter(
   from etils import epath
   from safetensors.numpy import save
 
+  drafter = drafter.with_weight_layout("plain")  # files hold the plain layout
   cfg = drafter.cfg
   config = dict(
     format_version=FORMAT_VERSION,
@@ -140,7 +141,8 @@ def read_drafter_config(
 
 def load_drafter(directory: str, target: Target) -> Drafter:
   """Reads a drafter saved by `save_drafter` for `target`. One ValueError for any bad input."""
-  cfg = read_drafter_config(directory, target.cfg)
+  # Files hold the plain layout; the drafter takes the target's once read.
+  cfg = read_drafter_config(directory, target.cfg).replace(weight_layout="plain")
   expected = traverse_util.flatten_dict(
     jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))), sep="/"
   )
@@ -160,7 +162,8 @@ def load_drafter(directory: str, target: Target) -> Drafter:
       raise ValueError(f"drafter {directory}: corrupt draft vocabulary ({VOCAB_TENSOR})")
     vocab = jnp.asarray(vocab, jnp.int32)
   params = {k: jnp.asarray(np.asarray(v, np.float32), cfg.param_dtype) for k, v in params.items()}
-  return Drafter(cfg=cfg, params=traverse_util.unflatten_dict(params, sep="/"), vocab=vocab)
+  drafter = Drafter(cfg=cfg, params=traverse_util.unflatten_dict(params, sep="/"), vocab=vocab)
+  return drafter.with_weight_layout(target.cfg.weight_layout)
 
 
 def shipped_drafter(target_name: str, kind: str) -> str | None:

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from pspec_jax import panels
 from pspec_jax.kv_cache import KVCache
 
 Dtype = Any
@@ -69,6 +70,11 @@ class LlamaConfig:
   # slice, which tripled the cost of a batch-1 decode step of SmolLM2 (a memory-bound matvec)
   # in our measurements; copies of a stacked cache's layers cost a third of a batch-32 step.
   scan_layers: bool = True
+  # How dense weights are stored (`panels.LAYOUTS`): "plain" [in..., out...], or "panels",
+  # 64-column panels that XLA:CPU reads sequentially when it multiplies a few rows (decoding
+  # and verifying small trees; see `pspec_jax.panels`). A storage choice made at load time
+  # (`Target.with_weight_layout`), never stored in a checkpoint.
+  weight_layout: str = "plain"
   dtype: Dtype = jnp.float32  # compute
   param_dtype: Dtype = jnp.float32  # storage
 
@@ -86,6 +92,10 @@ class LlamaConfig:
       object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
     if self.head_dim % 2:
       raise ValueError(f"LlamaConfig.head_dim must be even for RoPE, got {self.head_dim}")
+    if self.weight_layout not in panels.LAYOUTS:
+      raise ValueError(
+        f"LlamaConfig.weight_layout must be one of {panels.LAYOUTS}, got {self.weight_layout!r}"
+      )
 
   def replace(self, **changes) -> "LlamaConfig":
     return dataclasses.replace(self, **changes)
@@ -123,6 +133,71 @@ def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray)
 
 def _param(module, name, init, shape, axes, dtype):
   return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
+# Every dense weight, by parameter name: the number of input and output axes of its plain
+# layout (leading axes, such as stacked layers, come before them).
+DENSE_AXES = {
+  "q": (1, 2),
+  "k": (1, 2),
+  "v": (1, 2),
+  "o": (2, 1),
+  "gate": (1, 1),
+  "up": (1, 1),
+  "down": (1, 1),
+  "lm_head": (1, 1),
+  "fuse": (1, 1),
+}
+
+
+def dense_param(module, name, in_shape, out_shape, axes, cfg: "LlamaConfig"):
+  """A dense weight declared in `cfg.weight_layout`: plain `in_shape + out_shape` with the
+  logical `axes`, or panels of the flattened [prod(in), prod(out)] matrix (never sharded)."""
+  init = nn.initializers.normal(0.02)
+  if cfg.weight_layout == "panels":
+    shape = panels.packed_shape(math.prod(in_shape), math.prod(out_shape))
+    return _param(module, name, init, shape, (None, None, None), cfg.param_dtype)
+  return _param(module, name, init, (*in_shape, *out_shape), axes, cfg.param_dtype)
+
+
+def dense(cfg: "LlamaConfig", x_XK, w, n: int, preferred_element_type=None):
+  """x @ W in the compute dtype, for W in `cfg.weight_layout`: [..., K] -> [..., n].
+
+  The one matrix product of every layer, whatever the layout: plain weights are reshaped
+  (free for row-major arrays; a two-axis contraction made XLA:CPU copy the weight every step).
+  """
+  x = x_XK.astype(cfg.dtype)
+  w = w.astype(cfg.dtype)
+  if cfg.weight_layout == "panels":
+    return panels.matmul(x, w, n, preferred_element_type)
+  return jnp.matmul(x, w.reshape(x.shape[-1], n), preferred_element_type=preferred_element_type)
+
+
+def relayout(params: dict, layout: str, plain_shapes: dict) -> dict:
+  """Every dense weight (`DENSE_AXES`) of `params` moved to `layout`; other leaves as they are.
+
+  `plain_shapes` is the tree of the parameters' plain shapes (e.g. `jax.eval_shape` of the
+  plain model's init), which says how wide a padded panel weight really is.
+  """
+  if layout not in panels.LAYOUTS:
+    raise ValueError(f"unknown weight layout {layout!r}: use one of {panels.LAYOUTS}")
+
+  def move(path, w, plain):
+    name = path[-1].key if hasattr(path[-1], "key") else None
+    if name not in DENSE_AXES:
+      return w
+    n_in, n_out = DENSE_AXES[name]
+    lead = plain.shape[: len(plain.shape) - n_in - n_out]
+    k = math.prod(plain.shape[len(lead) : len(lead) + n_in])
+    n = math.prod(plain.shape[len(lead) + n_in :])
+    is_panels = w.shape != plain.shape
+    if layout == "panels" and not is_panels:
+      return panels.pack(w.reshape(*lead, k, n))
+    if layout == "plain" and is_panels:
+      return panels.unpack(w, n).reshape(plain.shape)
+    return w
+
+  return jax.tree_util.tree_map_with_path(move, params, plain_shapes)
 
 
 class RMSNorm(nn.Module):
@@ -176,24 +251,20 @@ class Attention(nn.Module):
   def setup(self):
     cfg = self.cfg
     d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    init = nn.initializers.normal(0.02)
-    pd = cfg.param_dtype
-    self.wq = _param(self, "q", init, (d, n, h), ("embed", "q_heads", "head_dim"), pd)
-    self.wk = _param(self, "k", init, (d, k, h), ("embed", "kv_heads", "head_dim"), pd)
-    self.wv = _param(self, "v", init, (d, k, h), ("embed", "kv_heads", "head_dim"), pd)
-    self.wo = _param(self, "o", init, (n, h, d), ("q_heads", "head_dim", "embed"), pd)
+    self.wq = dense_param(self, "q", (d,), (n, h), ("embed", "q_heads", "head_dim"), cfg)
+    self.wk = dense_param(self, "k", (d,), (k, h), ("embed", "kv_heads", "head_dim"), cfg)
+    self.wv = dense_param(self, "v", (d,), (k, h), ("embed", "kv_heads", "head_dim"), cfg)
+    self.wo = dense_param(self, "o", (n, h), (d,), ("q_heads", "head_dim", "embed"), cfg)
 
   def _qkv(self, x_XD, positions_X):
     """q [..., N, H] and k, v [..., K, H] of any leading shape, RoPE applied to q and k."""
-    cfg, dt = self.cfg, self.cfg.dtype
-    d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    x = x_XD.astype(dt)
-    lead = x.shape[:-1]
-    # Projections as 2-D matmuls over flattened heads: the reshapes of row-major weights are
-    # free, while a two-axis contraction made XLA:CPU copy (transpose) the weight every step.
-    q = (x @ self.wq.reshape(d, n * h).astype(dt)).reshape(*lead, n, h)
-    k_ = (x @ self.wk.reshape(d, k * h).astype(dt)).reshape(*lead, k, h)
-    v = (x @ self.wv.reshape(d, k * h).astype(dt)).reshape(*lead, k, h)
+    cfg = self.cfg
+    n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    lead = x_XD.shape[:-1]
+    # Projections as 2-D matmuls over flattened heads (`dense`).
+    q = dense(cfg, x_XD, self.wq, n * h).reshape(*lead, n, h)
+    k_ = dense(cfg, x_XD, self.wk, k * h).reshape(*lead, k, h)
+    v = dense(cfg, x_XD, self.wv, k * h).reshape(*lead, k, h)
     inv_freq = rope_inv_freq(cfg)
     return apply_rope(q, positions_X, inv_freq), apply_rope(k_, positions_X, inv_freq), v
 
@@ -201,7 +272,7 @@ class Attention(nn.Module):
     cfg = self.cfg
     n, h = cfg.num_heads, cfg.head_dim
     flat = out_XNH.reshape(*out_XNH.shape[:-2], n * h)
-    return flat @ self.wo.reshape(n * h, cfg.hidden_size).astype(cfg.dtype)
+    return dense(cfg, flat, self.wo, cfg.hidden_size)
 
   def __call__(self, x_BTD, positions_BT, mask_BTT, cache_kv, cache_len_B):
     cfg = self.cfg
@@ -264,14 +335,12 @@ class Mlp(nn.Module):
   @nn.compact
   def __call__(self, x_BTD):
     cfg = self.cfg
-    d, f, pd, dt = cfg.hidden_size, cfg.intermediate_size, cfg.param_dtype, cfg.dtype
-    init = nn.initializers.normal(0.02)
-    gate = _param(self, "gate", init, (d, f), ("embed", "mlp"), pd)
-    up = _param(self, "up", init, (d, f), ("embed", "mlp"), pd)
-    down = _param(self, "down", init, (f, d), ("mlp", "embed"), pd)
-    x = x_BTD.astype(dt)
-    h_BTF = nn.silu(x @ gate.astype(dt)) * (x @ up.astype(dt))
-    return h_BTF @ down.astype(dt)
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    gate = dense_param(self, "gate", (d,), (f,), ("embed", "mlp"), cfg)
+    up = dense_param(self, "up", (d,), (f,), ("embed", "mlp"), cfg)
+    down = dense_param(self, "down", (f,), (d,), ("mlp", "embed"), cfg)
+    h_BTF = nn.silu(dense(cfg, x_BTD, gate, f)) * dense(cfg, x_BTD, up, f)
+    return dense(cfg, h_BTF, down, d)
 
 
 class Block(nn.Module):
@@ -316,13 +385,8 @@ class Llama(nn.Module):
       cfg.param_dtype,
     )
     if not cfg.tie_embeddings:
-      self.lm_head = _param(
-        self,
-        "lm_head",
-        nn.initializers.normal(0.02),
-        (cfg.hidden_size, cfg.vocab_size),
-        ("embed", "vocab"),
-        cfg.param_dtype,
+      self.lm_head = dense_param(
+        self, "lm_head", (cfg.hidden_size,), (cfg.vocab_size,), ("embed", "vocab"), cfg
       )
     if cfg.scan_layers:
       self.layers = nn.scan(
@@ -384,7 +448,7 @@ class Llama(nn.Module):
     f32 = dict(preferred_element_type=jnp.float32)
     if self.cfg.tie_embeddings:
       return jnp.einsum("...D,VD->...V", f, self.embedding.astype(self.cfg.dtype), **f32)
-    return jnp.einsum("...D,DV->...V", f, self.lm_head.astype(self.cfg.dtype), **f32)
+    return dense(self.cfg, f, self.lm_head, self.cfg.vocab_size, jnp.float32)
 
 
 def stack_layers(layers: list[dict]) -> jax.Array:
@@ -433,13 +497,27 @@ class Target:
     params = set_scan_layers(self.params, self.cfg.num_layers, scan)
     return Target(cfg=self.cfg.replace(scan_layers=scan), params=params)
 
+  def with_weight_layout(self, layout: str) -> "Target":
+    """The same model with its dense weights stored in `layout` (`panels.LAYOUTS`)."""
+    if layout == self.cfg.weight_layout:
+      return self
+    cfg = self.cfg.replace(weight_layout=layout)
+    plain = self.cfg.replace(weight_layout="plain")
+    shapes = nn.meta.unbox(jax.eval_shape(lambda: init_boxed(plain, jax.random.key(0))))
+    return Target(cfg=cfg, params=relayout(self.params, layout, shapes))
+
   def logits(self, features_BTD: jax.Array) -> jax.Array:
     return Llama(self.cfg).apply({"params": self.params}, features_BTD, method=Llama.logits)
 
   def head_rows(self, token_ids: jax.Array) -> jax.Array:
     """The LM head's rows for some tokens, [V', D] in the compute dtype (a restricted head)."""
     p = self.params
-    rows = p["embedding"][token_ids] if self.cfg.tie_embeddings else p["lm_head"][:, token_ids].T
+    if self.cfg.tie_embeddings:
+      rows = p["embedding"][token_ids]
+    elif self.cfg.weight_layout == "panels":  # column j of W is column j % 64 of panel j // 64
+      rows = p["lm_head"][token_ids // panels.WIDTH, :, token_ids % panels.WIDTH]
+    else:
+      rows = p["lm_head"][:, token_ids].T
     return rows.astype(self.cfg.dtype)
 
   def embed(self, tokens_BT: jax.Array) -> jax.Array:

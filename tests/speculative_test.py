@@ -40,6 +40,16 @@ def test_greedy_speculative_equals_plain_greedy(target, kind, tree):
   assert (spec.rounds <= plain.rounds).all()
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_speculative_equals_plain_greedy_with_panel_weights(target, kind):
+  # The CPU's decoding layout (`pspec_jax.panels`), with widths off the 64-column panels.
+  packed = target.with_weight_layout("panels")
+  drafter = drafter_for(kind, packed)
+  assert drafter.cfg.weight_layout == "panels"
+  for tree in ("sparse8", "dynamic:6"):
+    assert_greedy_lossless(packed, drafter, tree)
+
+
 @pytest.mark.parametrize("kind", ["pspec", "eagle", "medusa"])
 def test_a_restricted_draft_vocabulary_stays_lossless_and_drafts_from_it(target, kind):
   tokens, lengths = padded(PROMPTS)

@@ -11,7 +11,7 @@ from pspec_jax import checkpoints, drafter_files, llama
 from pspec_jax.drafter import DrafterConfig
 
 # Settings of a drafter that its weights do not fix: a starting drafter may differ in them.
-_FREE_FIELDS = ("tree", "sampling_tree", "max_ngram", "dtype", "param_dtype")
+_FREE_FIELDS = ("tree", "sampling_tree", "max_ngram", "dtype", "param_dtype", "weight_layout")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -52,13 +52,16 @@ def check_target_exists(config: ml_collections.ConfigDict) -> None:
   checkpoints.resolve_target(config.target.checkpoint)
 
 
-def load_target(config: ml_collections.ConfigDict, scan_layers: bool = True) -> llama.Target:
+def load_target(
+  config: ml_collections.ConfigDict, scan_layers: bool = True, weight_layout: str = "plain"
+) -> llama.Target:
   """Loads the checkpoint and checks it is the architecture the config declares."""
   target = checkpoints.load_target(
     config.target.checkpoint,
     dtype=dtype(config.target.dtype),
     param_dtype=dtype(config.target.param_dtype),
     scan_layers=scan_layers,
+    weight_layout=weight_layout,
   )
   declared = target_config(config, scan_layers)
   for field, value in config.target.arch.items():

@@ -73,7 +73,7 @@ def run(config) -> None:
   if not todo:
     bar.close()
     return
-  target = build.load_target(config, scan_layers=False)
+  target = build.load_target(config, scan_layers=False, weight_layout="decode")
   drafter = drafter_files.resolve_drafter(s.method, None, target, num_draft=4)
   cfg = decode.DecodeConfig(
     max_new_tokens=s.max_new_tokens,

@@ -1,0 +1,75 @@
+"""Weights stored in 64-column panels: small-M matrix products at one row's cost on XLA:CPU.
+
+A decoding step multiplies a few rows (1 token, or the M nodes of a verified tree) by every
+weight of the model, so it is bound by reading the weights. For one row XLA:CPU emits its own
+matrix-vector kernel, which streams W[K, N] row by row. From two rows on, the product goes to
+YNNPACK, whose small-M kernel does not pack W: it reads 64 columns (256 bytes) of one row of
+W, then jumps a whole row ahead, walking a narrow strip down all K rows. Every step lands on a
+new page and the prefetchers lose it, so 2-4 rows cost about 1.3-1.6 single-row steps.
+
+Stored as panels, `Wp[N/64, K, 64]` (each 64-column strip of W contiguous), the same product
+is a dot batched over the panel axis, with x broadcast to every panel: YNNPACK's kernel then
+reads each panel as one sequential stream. The width has to match the kernel's 64-column
+block: 32 measured close, 16, 128 and 192 worse. Without the batch axis XLA copies W on every
+call. A weight whose N is not a multiple of 64 is padded with zero columns, and the product
+drops them again.
+
+The layout is a storage choice made when a model is loaded for decoding (`LAYOUTS`); training,
+sharded models and accelerators keep `plain`. `pack` and `unpack` convert between the two, on
+any leading (e.g. stacked-layer) axes.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["LAYOUTS", "WIDTH", "matmul", "pack", "packed_shape", "unpack"]
+
+LAYOUTS = ("plain", "panels")
+WIDTH = 64
+
+
+def packed_shape(k: int, n: int) -> tuple[int, int, int]:
+  """The panel layout's shape of a [K, N] weight: [ceil(N / 64), K, 64]."""
+  return (math.ceil(n / WIDTH), k, WIDTH)
+
+
+def pack(w_KN: jax.Array) -> jax.Array:
+  """[..., K, N] -> [..., ceil(N / 64), K, 64], zero columns padding the last panel."""
+  *lead, k, n = w_KN.shape
+  p = math.ceil(n / WIDTH)
+  w = jnp.pad(w_KN, [(0, 0)] * len(lead) + [(0, 0), (0, p * WIDTH - n)])
+  return jnp.swapaxes(w.reshape(*lead, k, p, WIDTH), -3, -2)
+
+
+def unpack(w_PKC: jax.Array, n: int) -> jax.Array:
+  """The inverse of `pack`: [..., P, K, 64] -> [..., K, n]."""
+  *lead, p, k, c = w_PKC.shape
+  return jnp.swapaxes(w_PKC, -3, -2).reshape(*lead, k, p * c)[..., :n]
+
+
+def matmul(x_XK: jax.Array, w_PKC: jax.Array, n: int, preferred_element_type=None) -> jax.Array:
+  """x @ W for W stored as panels: [..., K] x [P, K, 64] -> [..., n].
+
+  A single row is padded to two: XLA:CPU gives one row its own matrix-vector kernel, which
+  sums in another order than YNNPACK does for two rows or more. Padded, a row's result does
+  not depend on how many rows share the call, so a verified tree node computes bit for bit
+  what a plain decoding step computes, and the padding costs nothing measurable.
+  """
+  *lead, k = x_XK.shape
+  p = w_PKC.shape[0]
+  x_MK = x_XK.reshape(-1, k)
+  m = x_MK.shape[0]
+  if m == 1:
+    x_MK = jnp.pad(x_MK, ((0, 1), (0, 0)))
+  x_PMK = jnp.broadcast_to(x_MK[None], (p, *x_MK.shape))
+  y_PMC = lax.dot_general(
+    x_PMK,
+    w_PKC,
+    dimension_numbers=(((2,), (1,)), ((0,), (0,))),
+    preferred_element_type=preferred_element_type,
+  )
+  y_MN = jnp.swapaxes(y_PMC, 0, 1).reshape(x_MK.shape[0], p * WIDTH)
+  return y_MN[:m, :n].reshape(*lead, n)

@@ -1,0 +1,132 @@
+"""Panel-packed dense weights (`pspec_jax.panels`): the plain layout's products, row for row."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import flatten_util
+from tiny_models import TINY, make_target
+
+from pspec_jax import checkpoints, drafter_files, llama, panels
+from pspec_jax import drafter as drafter_lib
+
+# M rows, K inputs, N outputs: N and K on and off multiples of the 64-column panel.
+SHAPES = [(1, 100, 130), (2, 64, 64), (3, 70, 200), (4, 576, 192), (5, 128, 65), (8, 33, 300)]
+SHAPES += [(11, 96, 129), (16, 64, 1)]
+matmul = jax.jit(panels.matmul, static_argnums=(2, 3))
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_panel_product_equals_the_plain_one(m, k, n, dtype):
+  rng = np.random.default_rng(m * 1000 + n)
+  x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+  w = jnp.asarray(rng.standard_normal((k, n)), dtype)
+  wp = panels.pack(w)
+  assert wp.shape == panels.packed_shape(k, n) == (-(-n // 64), k, 64)
+  got = matmul(x, wp, n, jnp.float32)
+  exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+  assert got.shape == (m, n) and got.dtype == jnp.float32
+  # Inputs are exact in either dtype and products accumulate in float32: only rounding
+  # of the sums differs from float64.
+  np.testing.assert_allclose(np.asarray(got), exact, rtol=0, atol=1e-5 * k)
+  if dtype == jnp.bfloat16:
+    plain = jnp.matmul(x, w)  # the plain layout's product in the compute dtype
+    np.testing.assert_allclose(
+      np.asarray(matmul(x, wp, n, None), np.float32), np.asarray(plain, np.float32), rtol=2e-2
+    )
+
+
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
+  # So a verified tree node computes what a plain decoding step computes, bit for bit.
+  rng = np.random.default_rng(0)
+  for k, n in ((576, 192), (1536, 576), (100, 130)):
+    w = panels.pack(jnp.asarray(rng.standard_normal((k, n)), jnp.float32))
+    x = jnp.asarray(rng.standard_normal((16, k)), jnp.float32)
+    alone = matmul(x[:1], w, n, None)
+    for m in range(2, 17):
+      assert (matmul(x[:m], w, n, None)[:1] == alone).all(), (k, n, m)
+
+
+def test_pack_and_unpack_invert_each_other_on_leading_axes():
+  w = jnp.arange(2 * 3 * 5 * 70, dtype=jnp.float32).reshape(2, 3, 5, 70)
+  packed = panels.pack(w)
+  assert packed.shape == (2, 3, 2, 5, 64)
+  assert (packed[..., 1, :, 6:] == 0).all()  # the padding columns
+  np.testing.assert_array_equal(panels.unpack(packed, 70), w)
+
+
+def _logits(target, tokens):
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+  features, (k, v) = target(tokens, positions)
+  return target.logits(features), k
+
+
+@pytest.mark.parametrize(
+  "cfg",
+  [
+    TINY,  # every width under one panel
+    TINY.replace(hidden_size=96, intermediate_size=200, vocab_size=300, head_dim=24),
+    TINY.replace(scan_layers=True, tie_embeddings=True),
+  ],
+)
+def test_the_target_computes_the_same_logits_in_both_layouts(cfg):
+  target = llama.Target(cfg=cfg, params=llama.init_params(cfg, jax.random.key(0)))
+  packed = target.with_weight_layout("panels")
+  assert packed.cfg.weight_layout == "panels"
+  assert packed.with_weight_layout("panels") is packed
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 7)), jnp.int32)
+  (plain_logits, plain_k), (panel_logits, panel_k) = (
+    _logits(target, tokens),
+    _logits(packed, tokens),
+  )
+  np.testing.assert_allclose(panel_logits, plain_logits, rtol=0, atol=1e-5)
+  np.testing.assert_allclose(panel_k, plain_k, rtol=0, atol=1e-5)
+  ids = jnp.asarray([0, 5, cfg.vocab_size - 1])
+  np.testing.assert_array_equal(packed.head_rows(ids), target.head_rows(ids))
+  back = packed.with_weight_layout("plain")
+  assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), back.params, target.params))
+
+
+def test_the_embedded_target_computes_the_same_logits_in_both_layouts(smollm2):
+  target, _ = smollm2
+  untied = llama.Target(
+    cfg=target.cfg.replace(tie_embeddings=False),
+    params=target.params | {"lm_head": target.params["embedding"].T},
+  ).with_scan_layers(False)
+  tokens = jnp.asarray([[1, 4093, 314, 253, 3263, 28, 1053, 30, 2]], jnp.int32)
+  plain_logits, _ = _logits(untied, tokens)
+  panel_logits, _ = _logits(untied.with_weight_layout("panels"), tokens)
+  # float32 sums in another order over 30 layers, at logit magnitudes ~30.
+  np.testing.assert_allclose(panel_logits, plain_logits, rtol=0, atol=2e-3)
+  assert (panel_logits.argmax(-1) == plain_logits.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("kind", ["pspec", "eagle", "medusa"])
+def test_drafter_files_hold_the_plain_layout(tmp_path, kind):
+  target = make_target(5.0, cfg=TINY.replace(name="tiny-wide", hidden_size=80, head_dim=20))
+  packed_target = target.with_weight_layout("panels")
+  drafter = drafter_lib.random_drafter(kind, packed_target, jax.random.key(3))
+  assert drafter.cfg.weight_layout == "panels"
+  plain = drafter_lib.random_drafter(kind, target, jax.random.key(3))
+  assert drafter.with_weight_layout("plain").params.keys() == plain.params.keys()
+  np.testing.assert_array_equal(
+    flatten_util.ravel_pytree(drafter.with_weight_layout("plain").params)[0],
+    flatten_util.ravel_pytree(plain.params)[0],
+  )
+  drafter_files.save_drafter(str(tmp_path), drafter)
+  for loader_target, layout in ((target, "plain"), (packed_target, "panels")):
+    loaded = drafter_files.load_drafter(str(tmp_path), loader_target)
+    assert loaded.cfg.weight_layout == layout
+    want = drafter if layout == "panels" else plain
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), loaded.params, want.params))
+
+
+def test_a_bad_layout_is_one_clear_error():
+  with pytest.raises(ValueError, match="weight_layout must be one of"):
+    TINY.replace(weight_layout="tiles")
+  with pytest.raises(ValueError, match="unknown weight layout 'tiles'"):
+    checkpoints.load_target("smollm2-135m-instruct", weight_layout="tiles")
+  assert checkpoints.decode_layout() == "panels"  # the tests run on the CPU
+  mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  assert checkpoints.decode_layout(mesh) == "plain"
