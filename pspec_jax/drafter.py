@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from pspec_jax import llama
+from pspec_jax import llama, panels
 from pspec_jax import tree as tree_lib
 from pspec_jax.kv_cache import KVCache
 from pspec_jax.llama import Block, LlamaConfig, RMSNorm, RopeScaling, Target, _param
@@ -254,8 +254,9 @@ class Drafter:
   """A drafter: its (static) config and its parameters, passable through `jax.jit`.
 
   `vocab` holds the token ids of a restricted draft vocabulary ([V'] int32, None for the whole
-  vocabulary); `head` is the target's LM head restricted to them ([V', D]), derived once per
-  decode by `with_head` (never stored: the LM head is the target's).
+  vocabulary); `head` is the target's LM head restricted to them ([V', D], or in the panel
+  layout the packed [D, V']), derived once per decode by `with_head` (never stored: the LM
+  head is the target's).
   """
 
   cfg: DrafterConfig = struct.field(pytree_node=False)
@@ -267,13 +268,20 @@ class Drafter:
     """The drafter with its restricted LM head gathered from the target (once, not per round)."""
     if self.vocab is None or self.head is not None:
       return self
-    return self.replace(head=target.head_rows(self.vocab))
+    return self.replace(head=self._gather_head(target))
+
+  def _gather_head(self, target: Target) -> jax.Array:
+    """The restricted head: [V', D] rows, or in panels the [D, V'] matrix (`weight_layout`)."""
+    rows_VD = target.head_rows(self.vocab)
+    return panels.pack(rows_VD.T) if self.cfg.weight_layout == "panels" else rows_VD
 
   def logits(self, target: Target, g_XD: jax.Array) -> jax.Array:
     """Float32 draft logits over the draft vocabulary (the target's LM head on g)."""
     if self.vocab is None:
       return target.logits(g_XD)
-    head = self.head if self.head is not None else target.head_rows(self.vocab)
+    head = self.head if self.head is not None else self._gather_head(target)
+    if self.cfg.weight_layout == "panels":
+      return llama.dense(self.cfg.layer, g_XD, head, self.cfg.draft_vocab_size, jnp.float32)
     f32 = dict(preferred_element_type=jnp.float32)
     return jnp.einsum("...D,VD->...V", g_XD.astype(head.dtype), head, **f32)
 

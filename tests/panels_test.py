@@ -130,3 +130,17 @@ def test_a_bad_layout_is_one_clear_error():
   assert checkpoints.decode_layout() == "panels"  # the tests run on the CPU
   mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
   assert checkpoints.decode_layout(mesh) == "plain"
+
+
+def test_a_restricted_draft_head_gives_the_same_logits_in_both_layouts():
+  target = make_target(5.0, cfg=TINY.replace(name="tiny-wide", vocab_size=150))
+  packed = target.with_weight_layout("panels")
+  vocab = jnp.asarray([149, 3, 77, 64, 63, 0, 128], jnp.int32)
+  g = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 32)), jnp.float32)
+  logits = []
+  for t in (target, packed):
+    drafter = drafter_lib.random_drafter("pspec", t, jax.random.key(1), draft_vocab_size=7)
+    drafter = drafter.replace(vocab=vocab)
+    logits += [drafter.logits(t, g), drafter.with_head(t).logits(t, g)]
+  for other in logits[1:]:
+    np.testing.assert_allclose(other, logits[0], rtol=0, atol=1e-5)

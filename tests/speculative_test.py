@@ -51,7 +51,9 @@ def test_greedy_speculative_equals_plain_greedy_with_panel_weights(target, kind)
 
 
 @pytest.mark.parametrize("kind", ["pspec", "eagle", "medusa"])
-def test_a_restricted_draft_vocabulary_stays_lossless_and_drafts_from_it(target, kind):
+@pytest.mark.parametrize("layout", ["plain", "panels"])
+def test_a_restricted_draft_vocabulary_stays_lossless_and_drafts_from_it(target, kind, layout):
+  target = target.with_weight_layout(layout)
   tokens, lengths = padded(PROMPTS)
   cfg = decode.DecodeConfig(max_new_tokens=24, tree="sparse8")
   vocab = [9, 2, 14, 5, 7, 0]
