@@ -138,6 +138,7 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
       packed=config.data.packed,
       cache_dir=config.data.cache_dir or None,
       tfds_data_dir=config.data.tfds_data_dir or None,
+      skip_malformed=config.data.skip_malformed,
     )
     for split in ("train", "heldout")
   }

@@ -32,7 +32,10 @@ def _prompts(config, tokenizer):
 
   s = config.selfdistill
   out = []
-  for c in data.read_conversations(s.source, config.data.tfds_data_dir or None):
+  source = data.read_conversations(
+    s.source, config.data.tfds_data_dir or None, config.data.skip_malformed
+  )
+  for c in source:
     first = next(i for i, t in enumerate(c["turns"]) if t["role"] == "assistant")
     turns = c["turns"][:first]
     if not turns or turns[-1]["role"] != "user":
