@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -88,19 +89,29 @@ def test_each_drafter_decodes_with_its_own_tree_per_temperature():
   assert {s.tree for s in settings if s.method == "pspec"} == {"sparse4"}
 
 
-@pytest.mark.parametrize(
-  "overrides,message",
-  [
-    (dict(methods="none,magic"), "unknown methods ['magic']"),
-    (dict(temperature="-1"), "temperatures must be >= 0"),
-    (dict(batch_size="two"), "expected comma-separated ints"),
-    (dict(tree="bushy"), "unknown tree 'bushy'"),
-  ],
-)
+BAD_SETTINGS = [
+  (dict(methods="none,magic"), "unknown methods ['magic']"),
+  (dict(methods="bogus"), "unknown methods ['bogus']"),
+  (dict(datasets="bogus"), "unknown dataset 'bogus'"),
+  (dict(temperature="-1"), "temperatures must be >= 0"),
+  (dict(batch_size="two"), "expected comma-separated ints"),
+  (dict(tree="bushy"), "unknown tree 'bushy'"),
+  (dict(num_prompts=0), "num_prompts and max_new_tokens must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD_SETTINGS)
 def test_bad_settings_are_one_clear_error(overrides, message):
   target = make_target(1.0)
-  with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+  with pytest.raises(ValueError, match=re.escape(message)):
     bench.settings_of(config(**overrides), target, {})
+
+
+@pytest.mark.parametrize("overrides,message", BAD_SETTINGS)
+def test_the_dry_run_rejects_what_the_run_rejects(overrides, message):
+  """Before, `--dry_run --config.methods=bogus` planned `none` alone and exited 0."""
+  with pytest.raises(ValueError, match=re.escape(message)):
+    bench.dry_run(config(**overrides))
 
 
 def test_rows_pool_tau_and_check_losslessness_only_when_greedy():
