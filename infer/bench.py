@@ -204,6 +204,7 @@ def check_config(config) -> tuple[list, list, list, list, list]:
 def settings_of(config, target, drafters: dict) -> tuple[list[Setting], list[str]]:
   """Every setting the config asks for, and why any combination was left out."""
   from pspec_jax import decode
+  from pspec_jax import tree as tree_lib
 
   methods, temperatures, batch_sizes, ks, trees = check_config(config)
   out, skipped = [], []
@@ -226,6 +227,11 @@ def settings_of(config, target, drafters: dict) -> tuple[list[Setting], list[str
                 decode.check_drafter(target, drafter, cfg)
               except ValueError as e:
                 skipped.append(f"{method} K={k or drafter.cfg.num_draft} tree {name}: {e}")
+                continue
+              own = drafter.cfg.num_draft
+              if k and k != own and tree_lib.parse(name, k) == tree_lib.parse(name, own):
+                # The row would say K=k and decode the drafter's own K: not a setting.
+                skipped.append(f"{method} K={k} tree {name}: the tree fixes its own depth")
                 continue
               setting = Setting(
                 method, dataset, temperature, batch, k or drafter.cfg.num_draft, name

@@ -70,6 +70,17 @@ def test_settings_cover_every_combination_and_say_what_was_left_out():
   assert any(s.startswith("hf at batch size 2") for s in skipped)
 
 
+def test_a_k_that_a_tree_of_fixed_depth_ignores_is_left_out_with_the_reason():
+  """Before, the row said K=2 while the rank paths decoded exactly as with the drafter's K."""
+  target = make_target(1.0)
+  drafters = {"pspec": drafter_for("pspec", target, num_draft=3)}
+  c = config(methods="pspec", num_draft="2,3", tree="paths:0/1,chain")
+  settings, skipped = bench.settings_of(c, target, drafters)
+  pspec = {(s.num_draft, s.tree) for s in settings if s.method == "pspec"}
+  assert pspec == {(3, "paths:0/1"), (2, "chain"), (3, "chain")}
+  assert "pspec K=2 tree paths:0/1: the tree fixes its own depth" in skipped
+
+
 def test_each_drafter_decodes_with_its_own_tree_per_temperature():
   target = make_target(1.0)
   pspec = drafter_for("pspec", target, num_draft=3)
