@@ -141,8 +141,8 @@ def _hf_value(hf: dict, key: str, kind: type, default=_REQUIRED):
     value, ok = float(value), True
   if not ok:
     raise ValueError(
-      f"config.json has {key}={value!r} ({type(value).__name__}), a Llama config.json has "
-      f"a {kind.__name__} there"
+      f"config.json has {key}={value!r} ({type(value).__name__}), where a Llama config.json "
+      f"has {'an' if kind is int else 'a'} {kind.__name__}"
     )
   return value
 

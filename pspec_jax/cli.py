@@ -96,7 +96,7 @@ def run(main, define_flags, full_float32: bool = False) -> None:
 
   def guarded(argv):
     if len(argv) > 1:
-      raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+      sys.exit(f"error: unexpected arguments {argv[1:]}: flags are written --name=value")
     if not FLAGS["verbosity"].present:
       logging.set_verbosity(logging.WARNING)  # jax logs its backend probing at INFO
     keep_compiled_programs()

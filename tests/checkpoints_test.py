@@ -141,7 +141,11 @@ def test_unsupported_architecture(hf_dir):
   "key,value,message",
   [
     ("hidden_size", None, "has no 'hidden_size': a Llama config.json needs it"),
-    ("num_hidden_layers", "4", "has num_hidden_layers='4' (str), a Llama config.json has a int"),
+    (
+      "num_hidden_layers",
+      "4",
+      "has num_hidden_layers='4' (str), where a Llama config.json has an int",
+    ),
     ("rms_norm_eps", [1e-6], "has rms_norm_eps=[1e-06] (list)"),
     ("tie_word_embeddings", "yes", "has tie_word_embeddings='yes' (str)"),
   ],

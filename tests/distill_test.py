@@ -278,6 +278,10 @@ def test_hyper_parameters_are_checked_before_anything_loads():
     config.train[key] = value
     with pytest.raises(ValueError, match=f"train.{key}="):
       distill.step_config(config)
+  config = smollm2_135m.get_config("smoke")
+  config.data.seq_len = 0  # before: "no conversation has assistant tokens within ..."
+  with pytest.raises(ValueError, match="data.seq_len=0: it must be >= 2"):
+    distill.step_config(config)
 
 
 def test_a_workdir_that_is_a_file_is_one_error_line(tmp_path):

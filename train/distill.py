@@ -37,6 +37,8 @@ def step_config(config, scan_layers: bool = True):
   for name in ("batch_size", "log_every", "eval_every", "eval_batches", "checkpoint_every"):
     if t[name] < 1:
       raise ValueError(f"train.{name}={t[name]}: it must be >= 1")
+  if config.data.seq_len < 2:
+    raise ValueError(f"data.seq_len={config.data.seq_len}: it must be >= 2 (a token and its next)")
   if t.keep_checkpoints < 1:
     raise ValueError(f"train.keep_checkpoints={t.keep_checkpoints}: keep at least 1")
   return StepConfig(
