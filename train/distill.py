@@ -265,7 +265,7 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
     bar.update(1)
     if done % t.log_every == 0 or done == t.steps:
       now = time.perf_counter()
-      scalars = _scalars({k: v for k, v in metrics.items() if k != "finite"})
+      scalars = _scalars({k: v for k, v in metrics.items() if not k.startswith("finite")})
       scalars["tokens_per_s"] = (
         tokens_per_step * (done - max(first, done - t.log_every)) / (now - last_time)
       )

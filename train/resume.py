@@ -88,7 +88,7 @@ def restore_newest(manager, abstract_state, *, main: bool = True) -> Restored:
       if not isinstance(meta, dict) or "data_position" not in meta:
         raise ValueError(f"its metadata {meta!r} has no data_position")
       if not bool(jax.device_get(step_lib.all_finite(restored.state.params))):
-        raise ValueError("its weights hold NaN or Inf (saved by an older version)")
+        raise ValueError("its weights hold NaN or Inf")
     except Exception as e:  # noqa: BLE001 - any failure to read a checkpoint back is damage
       skipped.append(f"step {step}: {_reason(e)}")
       damaged.append(step)
