@@ -13,8 +13,11 @@ from train.step import TrainState
 
 
 def _state(value):
-  params = {"w": jnp.full((4, 8), value, jnp.float32), "b": jnp.zeros((8,), jnp.float32)}
-  return TrainState(step=jnp.asarray(int(value), jnp.int32), params=params, opt_state=())
+  noise = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)  # incompressible
+  params = {"w": jnp.asarray(noise) + value, "b": jnp.zeros((8,), jnp.float32)}
+  return TrainState(
+    step=jnp.asarray(int(np.nan_to_num(value)), jnp.int32), params=params, opt_state=()
+  )
 
 
 def _manager(directory):
@@ -25,7 +28,8 @@ def _manager(directory):
 
 @pytest.fixture
 def run(tmp_path):
-  """A workdir with checkpoints at steps 1, 2 and 3 (weights filled with the step)."""
+  """A workdir with checkpoints at steps 1, 2 and 3 (weights filled with the step; 16 KB, so
+  they live in data files, not inline in the manifest)."""
   manager = _manager(tmp_path / "checkpoints")
   for step in (1, 2, 3):
     manager.save(
@@ -53,7 +57,7 @@ def _truncate(checkpoint):
 def test_the_newest_checkpoint_is_restored(run):
   restored = resume.restore_newest(_manager(run / "checkpoints"), _abstract())
   assert (restored.step, restored.meta["data_position"], restored.skipped) == (3, 6, [])
-  np.testing.assert_array_equal(restored.state.params["w"], np.full((4, 8), 3.0))
+  np.testing.assert_array_equal(restored.state.params["w"], _state(3.0).params["w"])
 
 
 def test_damaged_checkpoints_are_skipped_named_and_set_aside(run):
@@ -62,7 +66,7 @@ def test_damaged_checkpoints_are_skipped_named_and_set_aside(run):
   manager = _manager(run / "checkpoints")
   restored = resume.restore_newest(manager, _abstract())
   assert restored.step == 1 and restored.meta["data_position"] == 2
-  np.testing.assert_array_equal(restored.state.params["w"], np.full((4, 8), 1.0))
+  np.testing.assert_array_equal(restored.state.params["w"], _state(1.0).params["w"])
   (three, two) = restored.skipped
   assert three.startswith("step 3: a metadata file is not valid JSON")
   assert two.startswith("step 2: the array params.") and "does not read back" in two
