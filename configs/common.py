@@ -157,6 +157,10 @@ def training_config(
       # that run to the length cap are mostly loops, which decoding rarely meets.
       mask_loops=False,
       tfds_data_dir="",  # where tfds: sources are prepared ("" -> TFDS's default)
+      # A record that is not valid JSON (or not an object) is an error naming its file and
+      # line; True skips such records instead, counted in a warning. (The packaged ShareGPT
+      # file ends inside its last record: that one is always left out.)
+      skip_malformed=False,
     )
   )
   c.loss = ml_collections.ConfigDict(

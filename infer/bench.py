@@ -169,25 +169,44 @@ def _values(value, kind) -> list:
     raise ValueError(f"expected comma-separated {kind.__name__}s, got {value!r}") from None
 
 
-def settings_of(config, target, drafters: dict) -> tuple[list[Setting], list[str]]:
-  """Every setting the config asks for, and why any combination was left out."""
-  from pspec_jax import decode
+def check_config(config) -> tuple[list, list, list, list, list]:
+  """Everything the config says that needs no model, checked the same way by a run and by
+  `--dry_run`: (methods, temperatures, batch sizes, Ks, trees)."""
+  from pspec_jax import data
   from pspec_jax import tree as tree_lib
 
+  if config.num_prompts < 1 or config.max_new_tokens < 1:
+    raise ValueError("num_prompts and max_new_tokens must be >= 1")
   methods = _values(config.methods, str)
   known = OUR_METHODS + HF_METHODS
   unknown = sorted(set(methods) - set(known))
   if unknown or methods == [""]:
     raise ValueError(f"unknown methods {unknown}: known are {', '.join(known)}")
+  for name in _values(config.datasets, str):
+    if name not in data.PROMPT_SETS:
+      raise ValueError(f"unknown dataset {name!r}: known are {', '.join(data.PROMPT_SETS)}")
   temperatures = _values(config.temperature, float)
   batch_sizes = _values(config.batch_size, int)
   ks = _values(config.num_draft, int) or [0]
   trees = _values(config.tree, str)
+  if not temperatures or not batch_sizes:
+    raise ValueError("give at least one temperature and one batch size")
   if any(t < 0 for t in temperatures) or any(b < 1 for b in batch_sizes) or min(ks) < 0:
     raise ValueError("temperatures must be >= 0, batch sizes >= 1 and num_draft >= 0")
   for tree in trees:
     if tree:
       tree_lib.parse(tree, 64)  # the spelling; depth is checked per drafter below
+  if config.out and os.path.exists(config.out) and not os.path.isdir(config.out):
+    raise ValueError(f"out: {config.out} is a file, not a directory: give a directory")
+  return methods, temperatures, batch_sizes, ks, trees
+
+
+def settings_of(config, target, drafters: dict) -> tuple[list[Setting], list[str]]:
+  """Every setting the config asks for, and why any combination was left out."""
+  from pspec_jax import decode
+  from pspec_jax import tree as tree_lib
+
+  methods, temperatures, batch_sizes, ks, trees = check_config(config)
   out, skipped = [], []
   for dataset in _values(config.datasets, str):
     for temperature in temperatures:
@@ -208,6 +227,11 @@ def settings_of(config, target, drafters: dict) -> tuple[list[Setting], list[str
                 decode.check_drafter(target, drafter, cfg)
               except ValueError as e:
                 skipped.append(f"{method} K={k or drafter.cfg.num_draft} tree {name}: {e}")
+                continue
+              own = drafter.cfg.num_draft
+              if k and k != own and tree_lib.parse(name, k) == tree_lib.parse(name, own):
+                # The row would say K=k and decode the drafter's own K: not a setting.
+                skipped.append(f"{method} K={k} tree {name}: the tree fixes its own depth")
                 continue
               setting = Setting(
                 method, dataset, temperature, batch, k or drafter.cfg.num_draft, name
@@ -321,6 +345,7 @@ def dry_run(config) -> str:
   from pspec_jax import drafter as drafter_lib
   from pspec_jax import tree as tree_lib
 
+  check_config(config)
   dtype = jnp.dtype(config.dtype)
   target = checkpoints.load_target_config(
     config.target, dtype=dtype, param_dtype=dtype, scan_layers=False
@@ -401,9 +426,7 @@ def run(config, progress=True) -> dict:
 
   transformers.logging.set_verbosity_error()
   transformers.logging.disable_progress_bar()
-  if config.num_prompts < 1 or config.max_new_tokens < 1:
-    raise ValueError("num_prompts and max_new_tokens must be >= 1")
-  methods = _values(config.methods, str)
+  methods = check_config(config)[0]
   if any(m in HF_METHODS for m in methods):
     # On a GPU, torch's copy of the target shares the card: JAX takes memory as it needs it
     # instead of 75% up front (effective when JAX has not started yet, as in a program).

@@ -80,10 +80,12 @@ def run() -> None:
   )
   if mesh is not None:
     _, drafter = decode.shard(mesh, target, drafter)
+  check_num_draft(FLAGS.num_draft, cfg, drafter)
   depth = decode.pool_tree(cfg, drafter).max_depth
   max_width = target.cfg.max_position_embeddings - cfg.max_new_tokens - depth
   live = sys.stdout.isatty() and not FLAGS.json and FLAGS.batch_size == 1
   key = jax.random.key(FLAGS.seed)
+  total = dict(tokens=0, drafted=0, rounds=0, seconds=0.0, compile_seconds=0.0)
   for start in range(0, len(prompts), FLAGS.batch_size):
     batch = encoded[start : start + FLAGS.batch_size]
     tokens, lengths = data.pad_batch(batch, max_width=max_width)
@@ -91,16 +93,30 @@ def run() -> None:
     began = time.perf_counter()
     if live:
       print(f"> {prompts[start]}\n", flush=True)
-      generated, shown = [], ""
-      for new in decode.stream(target, tokens, lengths, batch_key, cfg, drafter):
-        generated.extend(new[0].tolist())
-        text = tokenizer.decode(generated, skip_special_tokens=True)
-        print(text[len(shown) :], end="", flush=True)
-        shown = text
+      generated, shown, rounds = [], "", -1  # the first yield is the prefill's token
+      with cli.CompileClock() as clock:
+        for new in decode.stream(target, tokens, lengths, batch_key, cfg, drafter):
+          generated.extend(new[0].tolist())
+          rounds += 1
+          text = tokenizer.decode(generated, skip_special_tokens=True)
+          print(text[len(shown) :], end="", flush=True)
+          shown = text
       print("\n", flush=True)
+      _add(total, len(generated), max(len(generated) - 1, 0), rounds, began, clock)
       continue
-    out = jax.device_get(decode.generate(target, tokens, lengths, batch_key, cfg, drafter))
-    seconds = time.perf_counter() - began
+    with cli.CompileClock() as clock:
+      out = jax.device_get(decode.generate(target, tokens, lengths, batch_key, cfg, drafter))
+    # Decoding alone: the first batch of a shape also traces and compiles (or reads the
+    # compiled program from the cache), reported apart as compile_seconds.
+    seconds = time.perf_counter() - began - clock.seconds
+    _add(
+      total,
+      int(out.lengths.sum()),
+      int((out.lengths - 1).clip(0).sum()),
+      int(out.rounds.sum()),
+      began,
+      clock,
+    )
     for row, prompt in enumerate(prompts[start : start + len(batch)]):
       ids = np.asarray(out.tokens[row, : out.lengths[row]]).tolist()
       text = tokenizer.decode(ids, skip_special_tokens=True)
@@ -114,6 +130,7 @@ def run() -> None:
           tokens=ids,
           num_tokens=len(ids),
           seconds=round(seconds, 4),
+          compile_seconds=round(clock.seconds, 4),
           rounds=int(out.rounds[row]),
           tau=round(float(out.tau[row]), 4),
           accepted_per_depth=np.asarray(out.accepted_per_depth[row]).tolist(),
@@ -121,6 +138,50 @@ def run() -> None:
         print(json.dumps(record), flush=True)
       else:
         print(f"> {prompt}\n\n{text}\n", flush=True)
+  if not FLAGS.json:
+    tree = "" if drafter is None else cfg.tree or drafter.cfg.tree_for(sampling.greedy)
+    print(summary(total, FLAGS.method, tree, FLAGS.num_draft or 0), file=sys.stderr, flush=True)
+
+
+def _add(total: dict, tokens: int, drafted: int, rounds: int, began: float, clock) -> None:
+  """Adds one batch to the run's totals (`drafted`: tokens after each sequence's first)."""
+  compile_seconds = clock.seconds
+  total["tokens"] += tokens
+  total["drafted"] += drafted
+  total["rounds"] += rounds
+  total["compile_seconds"] += compile_seconds
+  total["seconds"] += time.perf_counter() - began - compile_seconds
+
+
+def summary(total: dict, method: str, tree: str, num_draft: int) -> str:
+  """The run in one line: tokens, decode speed, tau, and the method and tree used."""
+  seconds = max(total["seconds"], 1e-9)
+  tau = total["drafted"] / max(total["rounds"], 1)
+  how = f"method {method}" + (f", tree {tree}" if tree else "")
+  how += f", K={num_draft}" if num_draft else ""
+  return (
+    f"{total['tokens']} tokens in {seconds:.2f} s ({total['tokens'] / seconds:.1f} tokens/s; "
+    f"compiling {total['compile_seconds']:.1f} s more), tau {tau:.2f} tokens per target pass, "
+    f"{how}"
+  )
+
+
+def check_num_draft(num_draft: int | None, cfg, drafter) -> None:
+  """`--num_draft` must change what is decoded: a tree that fixes its own depth (explicit
+  rank paths, `lookup:L`), or plain decoding, would silently ignore it."""
+  from pspec_jax import tree as tree_lib
+
+  if num_draft is None:
+    return
+  if drafter is None:
+    raise ValueError("--num_draft needs a drafting method (--method=pspec, eagle, medusa, pld)")
+  spec = cfg.tree or drafter.cfg.tree_for(cfg.sampling.greedy)
+  own = drafter.cfg.num_draft
+  if num_draft != own and tree_lib.parse(spec, num_draft) == tree_lib.parse(spec, own):
+    raise ValueError(
+      f"--num_draft={num_draft} would change nothing: the tree {spec!r} fixes its own depth. "
+      "Give a tree that K sizes (--tree=chain, sparseN or dynamic:N), or drop --num_draft"
+    )
 
 
 def define_flags():

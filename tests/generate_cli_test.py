@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -52,6 +53,11 @@ def test_mt_bench_questions_are_read_first_turn():
     ),
     (["--prompt=hi", "--method=pspec", "--drafter=/nonexistent"], "error: drafter not found"),
     (["--prompt=hi", "--mesh=model=2"], "error: bad mesh 'model=2'"),
+    (["--prompts=tests"], "error: prompts: tests is a directory"),
+    # The shipped pspec drafter's tree is explicit rank paths: K would change nothing.
+    (["--prompt=hi", "--method=pspec", "--num_draft=100"], "error: --num_draft=100 would change"),
+    (["--prompt=hi", "--num_draft=3"], "error: --num_draft needs a drafting method"),
+    (["--prompt=hi", "extra"], "error: unexpected arguments ['extra']"),
     (["--prompt=hi", "--mesh=data=2,tensor=2"], "error: mesh {'data': 2, 'fsdp': 1, 'tensor': 2}"),
   ],
 )
@@ -102,10 +108,24 @@ def test_json_output_for_a_prompt_file(plain_run):
   assert [r["prompt"] for r in records] == ["What is 2 + 2?", "Repeat the word apple ten times."]
   for r in records:
     assert {"prompt", "text", "tokens", "num_tokens", "seconds", "rounds", "tau"} <= set(r)
+    # `seconds` is decoding alone; tracing and compiling (or reading the compiled program
+    # from the cache) is reported apart, by the batch that paid for it.
+    assert r["seconds"] > 0 and r["compile_seconds"] > 0
     assert 1 <= r["num_tokens"] == len(r["tokens"]) <= 24 and r["text"].strip()
     # What produced the answers, for `infer.agreement` to check.
     assert (r["target"], r["chat"], r["temperature"]) == ("smollm2-135m-instruct", True, 0.0)
   assert "4" in records[0]["text"]
+
+
+def test_without_json_a_run_ends_with_one_summary_line():
+  result = run_cli("--prompt=Count from 1 to 10.", "--max_new_tokens=12", "--method=pld")
+  assert result.returncode == 0, result.stderr
+  last = result.stderr.strip().splitlines()[-1]
+  assert re.fullmatch(
+    r"12 tokens in [0-9.]+ s \([0-9.]+ tokens/s; compiling [0-9.]+ s more\), "
+    r"tau [0-9.]+ tokens per target pass, method pld, tree lookup",
+    last,
+  ), result.stderr
 
 
 @pytest.mark.parametrize("method", ["pld", "pspec", "eagle", "medusa"])

@@ -7,7 +7,9 @@ r"""Train a drafter by distillation from its frozen target (DESIGN.md section 4)
 The workdir holds orbax checkpoints (`checkpoints/`), `metrics.jsonl`, TensorBoard event files
 (`tb/`) and, at the end, the drafter in the engine's file format (`export/`). Restarted with
 the same workdir, a run resumes from its last complete checkpoint at the same step and data
-position. A NaN or Inf loss stops the run before anything is saved from that step on.
+position, from the newest checkpoint that reads back whole (a damaged newer one is skipped,
+named, and moved to `checkpoints_damaged/`). A step whose loss, gradient or update is NaN or
+Inf stops the run without keeping that step: every checkpoint and export holds finite weights.
 `--config.train.init_from=DIR` (or `shipped`) starts a fresh workdir from an exported drafter
 instead of random weights, e.g. to fine-tune the shipped one on other data (with `--eval_only`:
 score it on the held-out split first).
@@ -32,6 +34,13 @@ def step_config(config, scan_layers: bool = True):
 
   target = build.target_config(config, scan_layers)
   t = config.train
+  for name in ("batch_size", "log_every", "eval_every", "eval_batches", "checkpoint_every"):
+    if t[name] < 1:
+      raise ValueError(f"train.{name}={t[name]}: it must be >= 1")
+  if config.data.seq_len < 2:
+    raise ValueError(f"data.seq_len={config.data.seq_len}: it must be >= 2 (a token and its next)")
+  if t.keep_checkpoints < 1:
+    raise ValueError(f"train.keep_checkpoints={t.keep_checkpoints}: keep at least 1")
   return StepConfig(
     target=target,
     drafter=build.drafter_config(config, target),
@@ -83,7 +92,7 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
   from pspec_jax import checkpoints, data, sharding
   from pspec_jax.drafter import Drafter
   from pspec_jax.drafter_files import load_drafter, save_drafter
-  from train import build, features, metrics_log
+  from train import build, features, metrics_log, resume
   from train import step as step_lib
 
   transformers.logging.set_verbosity_error()
@@ -100,6 +109,7 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
       f"train.batch_size={t.batch_size} must divide over {jax.process_count()} hosts and "
       f"train.microbatches={t.microbatches}"
     )
+  check_workdir(workdir)
   manager = ocp.CheckpointManager(
     workdir_path(workdir) / "checkpoints",
     options=ocp.CheckpointManagerOptions(
@@ -108,7 +118,7 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
       enable_async_checkpointing=True,
     ),
   )
-  start = manager.latest_step()
+  start = manager.latest_step()  # the newest step on disk; it may not restore (resume.py)
   # A run that resumes has its own weights: it needs no starting drafter, not even to exist.
   init_dir = build.init_from(config, cfg.target) if start is None else None
   if eval_only and start is None and not init_dir:
@@ -130,6 +140,7 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
       packed=config.data.packed,
       cache_dir=config.data.cache_dir or None,
       tfds_data_dir=config.data.tfds_data_dir or None,
+      skip_malformed=config.data.skip_malformed,
     )
     for split in ("train", "heldout")
   }
@@ -160,14 +171,14 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
       vocab = data.frequent_tokens(loaded["train"], cfg.drafter.draft_vocab_size)
     state = step_lib.jit_init(cfg, place)(jax.random.fold_in(key, 1), vocab)
   if start is not None:
-    restored = manager.restore(
-      start,
-      args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(sharding.abstract(state, place.state)),
-        meta=ocp.args.JsonRestore(),
-      ),
-    )
-    state = restored.state
+    restored = resume.restore_newest(manager, sharding.abstract(state, place.state), main=main)
+    if main:
+      for why in restored.skipped:
+        print(f"skipped the damaged checkpoint at {why}", flush=True)
+      if restored.skipped:
+        aside = workdir_path(workdir) / "checkpoints_damaged"
+        print("(deleted)" if "://" in workdir else f"(moved to {aside})", flush=True)
+    start, state = restored.step, restored.state
     if main:
       position = restored.meta["data_position"]
       print(f"resumed from step {start} (data position {position})", flush=True)
@@ -233,12 +244,16 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
     batch = global_batch("train", step)
     state, metrics = train_step(state, target_params, batch, key)
     loss = float(metrics["loss"])
-    if not np.isfinite(loss):
+    if not bool(metrics["finite"]):
+      bar.close()  # the error line below starts a line of its own
       manager.wait_until_finished()
-      raise FloatingPointError(
-        f"loss is {loss} at step {step + 1}: stopped; the last good checkpoint "
-        f"(step {manager.latest_step()}) is intact. Lower train.lr or check the data"
-      )
+      blamed = None
+      if not bool(metrics["finite_gradient"]) and manager.latest_step() == step:
+        # The checkpoint holds the very weights whose loss or gradient is not finite: a
+        # restart from it would fail on this batch at any learning rate.
+        blamed = step
+        resume.set_aside(manager, step, main)
+      raise FloatingPointError(diverged_message(step + 1, loss, manager.latest_step(), blamed))
     done = step + 1
     manager.save(
       done,
@@ -250,7 +265,7 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
     bar.update(1)
     if done % t.log_every == 0 or done == t.steps:
       now = time.perf_counter()
-      scalars = _scalars(metrics)
+      scalars = _scalars({k: v for k, v in metrics.items() if not k.startswith("finite")})
       scalars["tokens_per_s"] = (
         tokens_per_step * (done - max(first, done - t.log_every)) / (now - last_time)
       )
@@ -273,6 +288,30 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
       dtype=build.storage_dtype(config.drafter.export_dtype),
     )
   log.close()
+
+
+def diverged_message(step: int, loss: float, last_saved: int | None, blamed: int | None) -> str:
+  """What a run that stopped on a non-finite step says: nothing of that step was kept."""
+  why = f"step {step} gave a non-finite loss, gradient or update (loss {loss})"
+  why += ": stopped without keeping it"
+  if blamed is not None:
+    why += f". The checkpoint at step {blamed}, whose weights gave it, is set aside"
+    why += " (checkpoints_damaged/)"
+  kept = (
+    f"the last checkpoint (step {last_saved}) holds finite weights and a restart resumes from it"
+    if last_saved is not None
+    else "no checkpoint is left, so a restart starts afresh"
+  )
+  return f"{why}; {kept}. Lower train.lr (or raise train.warmup_steps), or check the data"
+
+
+def check_workdir(workdir: str) -> None:
+  """A local workdir (and its `checkpoints/`) must be a directory, or not exist yet."""
+  if "://" in workdir:
+    return
+  for path in (workdir, os.path.join(workdir, "checkpoints")):
+    if os.path.exists(path) and not os.path.isdir(path):
+      raise ValueError(f"--workdir: {path} is a file, not a directory: give a directory")
 
 
 def initialize_cluster(cluster) -> None:

@@ -32,7 +32,10 @@ def _prompts(config, tokenizer):
 
   s = config.selfdistill
   out = []
-  for c in data.read_conversations(s.source, config.data.tfds_data_dir or None):
+  source = data.read_conversations(
+    s.source, config.data.tfds_data_dir or None, config.data.skip_malformed
+  )
+  for c in source:
     first = next(i for i, t in enumerate(c["turns"]) if t["role"] == "assistant")
     turns = c["turns"][:first]
     if not turns or turns[-1]["role"] != "user":
@@ -62,6 +65,8 @@ def run(config) -> None:
     raise ValueError(f"selfdistill.method must be none or pld, got {s.method!r}")
   if s.shard_size % s.batch_size:
     raise ValueError("selfdistill.shard_size must be a multiple of selfdistill.batch_size")
+  if os.path.exists(s.out) and not os.path.isdir(s.out):
+    raise ValueError(f"selfdistill.out: {s.out} is a file, not a directory: give a directory")
   build.check_target_exists(config)
   tokenizer = checkpoints.load_tokenizer(config.target.checkpoint)
   prompts = _prompts(config, tokenizer)

@@ -6,6 +6,7 @@ they get no gradients, no optimizer moments and no checkpoint.
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -37,6 +38,22 @@ class OptimizerConfig:
   end_lr_ratio: float = 0.1
   weight_decay: float = 0.01
   clip_norm: float = 1.0
+
+  def __post_init__(self):
+    # Checked when the config is read (before anything loads or compiles, in --dry_run too):
+    # a NaN or negative rate would only show as a non-finite update steps later.
+    checks = (
+      ("lr", self.lr >= 0, ">= 0 (0 keeps the weights as they are)"),
+      ("warmup_steps", self.warmup_steps >= 0, ">= 0"),
+      ("steps", self.steps >= 1, ">= 1"),
+      ("end_lr_ratio", 0 <= self.end_lr_ratio <= 1, "between 0 and 1"),
+      ("weight_decay", self.weight_decay >= 0, ">= 0"),
+      ("clip_norm", self.clip_norm > 0, "> 0"),
+    )
+    for name, ok, want in checks:
+      value = getattr(self, name)
+      if not (math.isfinite(value) and ok):
+        raise ValueError(f"train.{name}={value}: it must be a finite number {want}")
 
   def schedule(self) -> optax.Schedule:
     """Linear warmup to `lr`, then cosine decay to `lr * end_lr_ratio` at `steps`."""
@@ -160,7 +177,21 @@ def train_step(state: TrainState, target_params, batch: dict, key: jax.Array, *,
   metrics = _metrics(total, stats, cfg)
   metrics["grad_norm"] = optax.tree.norm(grads)
   metrics["lr"] = cfg.optimizer.schedule()(state.step)
-  return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+  # A non-finite loss, gradient or update is never committed: the state stays the one before
+  # the step (its step count too), so whatever is saved or exported afterwards is finite.
+  # `finite_gradient` false: the state's own weights fail on this batch (whatever the rate).
+  metrics["finite_gradient"] = all_finite((total, grads))
+  finite = metrics["finite_gradient"] & all_finite((params, opt_state))
+  metrics["finite"] = finite
+  keep = lambda new, old: jnp.where(finite, new, old)
+  new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+  return jax.tree.map(keep, new, state), metrics
+
+
+def all_finite(tree) -> jax.Array:
+  """True when every floating-point number in `tree` is finite (no NaN, no Inf)."""
+  leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
 def eval_step(state: TrainState, target_params, batch: dict, key: jax.Array, *, cfg) -> dict:
