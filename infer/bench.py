@@ -49,6 +49,7 @@ class Setting:
   batch_size: int
   num_draft: int  # K as run (0 for none and hf)
   tree: str  # tree as run ("" for none and hf)
+  drafts: str = ""  # at T > 0, how drafted nodes are chosen (DecodeConfig.drafts); "" if moot
 
   @property
   def baseline(self) -> "Setting":
@@ -67,6 +68,7 @@ class Setting:
       num_draft=self.num_draft,
       tree=self.tree,
       mesh=mesh,
+      **({"drafts": self.drafts} if self.drafts else {}),
     )
 
 
@@ -183,6 +185,9 @@ def settings_of(config, target, drafters: dict) -> tuple[list[Setting], list[str
   batch_sizes = _values(config.batch_size, int)
   ks = _values(config.num_draft, int) or [0]
   trees = _values(config.tree, str)
+  rules = _values(config.get("drafts", "sampled"), str)
+  if set(rules) - set(decode.DRAFTS):
+    raise ValueError(f"unknown drafts {config.drafts!r}: use {', '.join(decode.DRAFTS)}")
   if any(t < 0 for t in temperatures) or any(b < 1 for b in batch_sizes) or min(ks) < 0:
     raise ValueError("temperatures must be >= 0, batch sizes >= 1 and num_draft >= 0")
   for tree in trees:
@@ -209,12 +214,19 @@ def settings_of(config, target, drafters: dict) -> tuple[list[Setting], list[str
               except ValueError as e:
                 skipped.append(f"{method} K={k or drafter.cfg.num_draft} tree {name}: {e}")
                 continue
-              setting = Setting(
-                method, dataset, temperature, batch, k or drafter.cfg.num_draft, name
-              )
-              if setting not in out:
-                out.append(setting)
+              for rule in rules:
+                setting = Setting(
+                  method, dataset, temperature, batch, k or drafter.cfg.num_draft, name, rule
+                )
+                drawn = dataclasses.replace(setting, drafts="sampled").decode_config(**_SHAPELESS)
+                if not decode.drawn_from_q(drawn, drafter):
+                  setting = dataclasses.replace(setting, drafts="")  # the rule changes nothing
+                if setting not in out:
+                  out.append(setting)
   return out, skipped
+
+
+_SHAPELESS = dict(max_new_tokens=1, eos_ids=(), pad_id=0)
 
 
 def phase_shares(target, drafter, batches, cfg) -> dict[str, float]:
@@ -534,6 +546,7 @@ def _row(s: Setting, records: dict, shares: dict | None) -> dict:
     batch_size=s.batch_size,
     num_draft=s.num_draft,
     tree=s.tree,
+    drafts=s.drafts,
     tokens_per_s=tokens_per_s,
     speedup=speedup,
     tau=tau,
@@ -559,11 +572,18 @@ def _label(r: dict, varied: set[str]) -> str:
     extra = [
       f"K={r['num_draft']}" if "num_draft" in varied else "",
       r["tree"] if "tree" in varied else "",
+      r.get("drafts", "") if "drafts" in varied else "",
     ]
     extra = [e for e in extra if e]
     if extra:
       label += f" ({', '.join(extra)})"
   return label
+
+
+def _varied(rows: list[dict]) -> set[str]:
+  """The setting fields that take several values among the drafted rows."""
+  keys = ("num_draft", "tree", "drafts")
+  return {k for k in keys if len({r.get(k, "") for r in rows if r["num_draft"]}) > 1}
 
 
 def _fmt(x, spec, suffix=""):
@@ -572,7 +592,7 @@ def _fmt(x, spec, suffix=""):
 
 def report(results: dict) -> str:
   meta, rows = results["meta"], results["rows"]
-  varied = {k for k in ("num_draft", "tree") if len({r[k] for r in rows if r["num_draft"]}) > 1}
+  varied = _varied(rows)
   datasets = list(dict.fromkeys(r["dataset"] for r in rows))
   lines = [
     f"# Decoding benchmark: {meta['target']}",
@@ -632,9 +652,9 @@ def report(results: dict) -> str:
     "",
     "## Every setting",
     "",
-    "| method | dataset | T | batch | K | tree | tokens/s | speedup | tau | accept per depth "
-    "| draft / verify / commit | lossless |",
-    "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    "| method | dataset | T | batch | K | tree | drafts | tokens/s | speedup | tau "
+    "| accept per depth | draft / verify / commit | lossless |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in rows:
     accept = " ".join(f"{a:.2f}" for a in r["accept_per_depth"] or [])
@@ -645,7 +665,7 @@ def report(results: dict) -> str:
       )
     lines.append(
       f"| {r['method']} | {r['dataset']} | {r['temperature']} | {r['batch_size']} | "
-      f"{r['num_draft'] or ''} | {r['tree']} | {r['tokens_per_s']:.1f} | "
+      f"{r['num_draft'] or ''} | {r['tree']} | {r.get('drafts', '')} | {r['tokens_per_s']:.1f} | "
       f"{_fmt(r['speedup'], '.2f', 'x')} | {_fmt(r['tau'], '.2f')} | {accept} | {split} | "
       f"{'' if r['lossless'] is None else r['lossless']} |"
     )
@@ -670,7 +690,7 @@ def plots(results: dict, out: str) -> list[str]:
   import numpy as np
 
   rows = results["rows"]
-  varied = {k for k in ("num_draft", "tree") if len({r[k] for r in rows if r["num_draft"]}) > 1}
+  varied = _varied(rows)
   first = [
     r
     for r in rows
