@@ -23,15 +23,15 @@ enter it.
 
 Drafts drawn from q (`propose` with a `Draw`, sampling at T > 0): instead of the top-k tokens,
 each pool node's children are drawn from the drafter's distribution q there (filtered like the
-target's: temperature, top-k, top-p) without replacement, by Gumbel-top-k, rank r being the
-r-th draw; every parent draws independently. q is the depth's for pspec and medusa (their
-distribution at a depth does not depend on the tokens above it) and the parent's own for
-eagle. A drawn node's confidence (`node_logp`, what dynamic trees rank and gates cut by) is the
-log q of the most probable token not drawn before it among its siblings: the q path product
-EAGLE-2 ranks by, taken before the node is drawn. It must not depend on the drawn token: a tree
-that kept a drawn node because of its own q would keep likely drafts more often than q draws
-them, and recursive rejection sampling, which assumes q, would no longer give the target's
-distribution.
+target's: temperature, top-k, top-p) without replacement, by Gumbel-top-k, a node's r-th child
+being the r-th draw (`sibling_order`); every parent draws independently. q is the depth's for
+pspec and medusa (their distribution at a depth does not depend on the tokens above it) and
+the parent's own for eagle. A drawn node's confidence (`node_logp`, what dynamic trees rank and
+gates cut by) is the log q of the most probable token not drawn before it among its siblings:
+the q path product EAGLE-2 ranks by, taken before the node is drawn. It must not depend on the
+drawn token: a tree that kept a drawn node because of its own q would keep likely drafts more
+often than q draws them, and recursive rejection sampling, which assumes q, would no longer give
+the target's distribution.
 """
 
 import dataclasses
@@ -390,6 +390,17 @@ def draw_tables(kind: str, pool: tree_lib.Tree) -> np.ndarray:
   return table.astype(np.int32)
 
 
+def sibling_order(pool: tree_lib.Tree) -> np.ndarray:
+  """[M] each node's place among its siblings (0 for the root): the draw it takes. A static
+  tree may skip ranks (`paths:0/2`); drawn from q, its siblings are still the first draws, in
+  order, as recursive rejection sampling assumes of the siblings it tries."""
+  children = pool.arrays.children
+  order = np.zeros(pool.num_nodes, np.int32)
+  for kids in children:
+    order[kids[kids >= 0]] = np.arange((kids >= 0).sum())
+  return order
+
+
 def _full_vocab(drafter: Drafter, target: Target, logq_XV: jax.Array) -> jax.Array:
   """log q over the target's vocabulary: -inf outside a restricted draft vocabulary."""
   if drafter.vocab is None:
@@ -408,11 +419,12 @@ def _drawn_nodes(drafter, target, logq_BGV, pool, draw: Draw):
   parent_row = np.zeros(len(parents), np.int32)
   parent_row[a.parent[1:]] = rows[1:]
   index, score = draw_candidates(logq_BGV[:, parent_row], pool.num_candidates, draw.key)
-  tokens = drafter.token_ids(index[:, a.parent[1:], a.rank[1:]]).astype(jnp.int32)
+  order = sibling_order(pool)[1:]
+  tokens = drafter.token_ids(index[:, a.parent[1:], order]).astype(jnp.int32)
   batch = logq_BGV.shape[0]
   return (
     jnp.concatenate([jnp.zeros((batch, 1), jnp.int32), tokens], axis=1),
-    jnp.concatenate([jnp.zeros((batch, 1)), score[:, a.parent[1:], a.rank[1:]]], axis=1),
+    jnp.concatenate([jnp.zeros((batch, 1)), score[:, a.parent[1:], order]], axis=1),
     _full_vocab(drafter, target, logq_BGV),
   )
 
@@ -490,8 +502,9 @@ def _propose_eagle(drafter, target, cache, pairs, context, pool, draw: Draw | No
       index_k, logp_k = draw_candidates(logq[-1], k, jax.random.fold_in(draw.key, d))
       tokens_k = drafter.token_ids(index_k).astype(jnp.int32)
     slot = a.parent[children] - parents[0]
-    node_tokens = node_tokens.at[:, children].set(tokens_k[:, slot, a.rank[children]])
-    node_logp = node_logp.at[:, children].set(logp_k[:, slot, a.rank[children]])
+    rank = a.rank[children] if draw is None else sibling_order(pool)[children]
+    node_tokens = node_tokens.at[:, children].set(tokens_k[:, slot, rank])
+    node_logp = node_logp.at[:, children].set(logp_k[:, slot, rank])
     if d + 1 == pool.depth:
       break
     nodes = np.arange(1, children[-1] + 1)

@@ -260,8 +260,9 @@ def oracle_proposer(sampling):
       )
       children = (a.depth == d + 1).nonzero()[0]
       slot = a.parent[children] - parents[0]
-      node_tokens = node_tokens.at[:, children].set(index[:, slot, a.rank[children]])
-      node_logp = node_logp.at[:, children].set(score[:, slot, a.rank[children]])
+      order = drafter_lib.sibling_order(pool)[children]
+      node_tokens = node_tokens.at[:, children].set(index[:, slot, order])
+      node_logp = node_logp.at[:, children].set(score[:, slot, order])
     return cache, (node_tokens, node_logp, jnp.concatenate(logq, axis=1))
 
   return propose
@@ -306,7 +307,7 @@ T1_TOP_K_P = SamplingConfig(temperature=1.0, top_k=4, top_p=0.9)
   [
     ("pspec", "chain", T1, 1),  # a chain: standard speculative sampling
     ("pspec", "sparse8", T07_TOP_K, 4),
-    ("eagle", "sparse8", T07_TOP_P, 1),
+    ("eagle", "paths:0/2/0.0/2.1", T07_TOP_P, 1),  # skipped ranks: siblings take draws 0, 1
     ("eagle", "dynamic:6", T1_TOP_K_P, 4),
     ("medusa", "dynamic:5", T07_TOP_P, 4),
     ("medusa", "paths:0/1/0.0+min:0.05+lookup:2", T1, 1),
