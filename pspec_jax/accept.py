@@ -180,27 +180,30 @@ def sampled_walk(
   walk_key, bonus_key = jax.random.split(key)
   uniform_BPC = jax.random.uniform(walk_key, (batch, max_depth, tree.children.shape[-1]))
   path_BP1, log_residual_BV = recursive_rejection(
-    probs_BMV, q_BGV, node_tokens_BM, node_table_BM, tree.children, uniform_BPC
+    probs_BMV, q_BGV, node_tokens_BM, node_table_BM, tree.children, tree.depth, uniform_BPC
   )
   return path_BP1, categorical(bonus_key, log_residual_BV)
 
 
-def recursive_rejection(probs_BMV, q_BGV, node_tokens_BM, node_table_BM, children_BMC, uniform_BPC):
+def recursive_rejection(
+  probs_BMV, q_BGV, node_tokens_BM, node_table_BM, children_BMC, depth_BM, uniform_BPC
+):
   """The walk of `sampled_walk` with its uniforms given: (path_BP1, log_residual_BV).
 
   probs_BMV: the target's (filtered) distribution at every node; q_BGV: the draft
-  distributions; uniform_BPC: one uniform per level and child slot. log_residual_BV is the
-  log of the (unnormalised) distribution the bonus token is drawn from.
+  distributions; children_BMC, depth_BM: the tree's; uniform_BPC: one uniform per level and
+  child slot. log_residual_BV is the log of the (unnormalised) distribution the bonus token is
+  drawn from.
   """
   max_depth, num_slots = uniform_BPC.shape[1:]
 
-  def walk(p_MV, q_GV, tokens_M, table_M, children_MC, uniform_PC):
+  def walk(p_MV, q_GV, tokens_M, table_M, children_MC, depth_M, uniform_PC):
     # The row the drafted children of each node were drawn from (0 where none: never read).
     kid_table_M = jnp.max(jnp.where(children_MC >= 0, table_M[children_MC], -1), axis=-1)
     kid_q = lambda node: q_GV[jnp.maximum(kid_table_M[node], 0)]
 
-    def step(i, carry):
-      node, r, q_left, walking, moved, path = carry
+    def step(carry):
+      i, node, r, q_left, walking, moved, path = carry
       depth, slot = i // num_slots, i % num_slots
       child = jnp.maximum(children_MC[node, slot], 0)
       token = tokens_M[child]
@@ -223,14 +226,15 @@ def recursive_rejection(probs_BMV, q_BGV, node_tokens_BM, node_table_BM, childre
       r = jnp.where(accepted, p_MV[child], r)
       q_left = jnp.where(accepted, kid_q(child), q_left)
       node = jnp.where(accepted, child, node)
-      path = path.at[depth + 1].set(node)
+      path = path.at[depth + 1].set(jnp.where(accepted, child, path[depth + 1]))
       moved = moved | accepted
       last_slot = slot == num_slots - 1
       walking = jnp.where(last_slot, walking & moved, walking)
       moved = jnp.where(last_slot, False, moved)
-      return node, r, q_left, walking, moved, path
+      return i + 1, node, r, q_left, walking, moved, path
 
     carry = (
+      jnp.int32(0),
       jnp.int32(0),
       p_MV[0],
       kid_q(0),
@@ -238,12 +242,16 @@ def recursive_rejection(probs_BMV, q_BGV, node_tokens_BM, node_table_BM, childre
       jnp.bool_(False),
       jnp.zeros((max_depth + 1,), jnp.int32),
     )
-    if max_depth:  # else the root alone: plain decoding
-      carry = jax.lax.fori_loop(0, max_depth * num_slots, step, carry)
-    node, r, _, _, _, path = carry
+    # Vocabulary-sized steps cost: the walk stops at the first level that accepts nothing.
+    carry = jax.lax.while_loop(lambda c: c[4] & (c[0] < max_depth * num_slots), step, carry)
+    _, node, r, _, _, _, path = carry
+    # Levels below the last accepted node repeat it.
+    path = jnp.where(jnp.arange(max_depth + 1) > depth_M[node], node, path)
     # In exact arithmetic a residual is never empty when it is reached; if rounding emptied it,
     # draw from the node's distribution instead.
     r = jnp.where(r.sum() > 0, r, p_MV[node])
     return path, jnp.log(r)
 
-  return jax.vmap(walk)(probs_BMV, q_BGV, node_tokens_BM, node_table_BM, children_BMC, uniform_BPC)
+  return jax.vmap(walk)(
+    probs_BMV, q_BGV, node_tokens_BM, node_table_BM, children_BMC, depth_BM, uniform_BPC
+  )

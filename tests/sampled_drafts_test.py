@@ -107,6 +107,7 @@ def implementation_output(p_V, q_V, tokens_S, drawn_S):
     jnp.broadcast_to(tokens, (rows, m)),
     jnp.broadcast_to(table, (rows, m)),
     jnp.broadcast_to(children, (rows, m, num)),
+    jnp.broadcast_to(jnp.minimum(jnp.arange(m), 1), (rows, m)),
     uniform[:, None, :],
   )
   accepted_at = path[:-1, 1].reshape(num, GRID)
