@@ -29,6 +29,9 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   # list of trees (chain, sparseN, dynamic:N, paths:..., each with optional +min:P and +lookup:L);
   # "" is each drafter's
   config.tree = ""
+  # list: at T > 0, drafts drawn from the drafter's q ("sampled", accepted by speculative
+  # sampling) and/or its top-k tokens ("top_k", the deterministic rule); both compare the two
+  config.drafts = "sampled"
   config.drafter_dir = ""  # a directory of <kind>/ drafters; "" is the ones shipped for target
   config.dtype = "float32"  # of the target's weights and compute
   # How the target's and drafters' dense weights are stored: "decode" is the fastest layout for

@@ -3,6 +3,8 @@ r"""How often a drafter's first draft token is the target's: token by token, and
   python -m infer.generate --prompts=mt_bench --num_prompts=20 --json > answers.jsonl
   python -m infer.agreement --answers=answers.jsonl                 # the shipped pspec drafter
   python -m infer.agreement --answers=answers.jsonl --method=eagle
+  python -m infer.generate --prompts=sharegpt --num_prompts=8 --temperature=1 --json > t1.jsonl
+  python -m infer.agreement --answers=t1.jsonl --temperature=1      # and 1 - TV(p, q) at T = 1
 
 `--answers` holds the target's greedy answers as `infer.generate --json` writes them, with the
 same target and chat setting as here (temperature 0, any --method: on a float32 target they
@@ -17,6 +19,11 @@ the training layout (which the decoder's proposals are tested to equal), and the
   answer), and agreement there and elsewhere.
 Held-out agreement in `train.distill` counts every answer token of its data; this counts what
 decoding sees on the prompts you give.
+
+With `--temperature=T` (answers sampled at T: `infer.generate --temperature=T --json`) it also
+prints the mean depth-1 overlap sum_x min(p(x), q(x)) = 1 - TV(p, q) of the target's and the
+drafter's distributions at T (both filtered alike): the probability that a draft drawn from q
+is accepted by speculative sampling, the ceiling of depth-1 acceptance at T.
 """
 
 import json
@@ -47,6 +54,27 @@ def depth1_agreement(target, drafter, prompt: list[int], answer: list[int]) -> n
   guess_S = np.asarray(losses.depth1_guesses(drafter, target, jnp.asarray([prompt + answer]))[0])
   p = len(prompt)
   return guess_S[p - 1 : p + len(answer) - 2] == np.asarray(answer[1:])
+
+
+def depth1_overlap(target, drafter, prompt: list[int], answer: list[int], sampling) -> np.ndarray:
+  """[len(answer) - 1] sum_x min(p(x), q(x)) for answer tokens 1.., aligned with
+  `depth1_agreement`: p the target's distribution of the token, q the drafter's depth-1 one
+  (pair len(prompt) + j - 2 for token j), both filtered by `sampling`; q is spread over the
+  target's vocabulary (0 outside a restricted draft vocabulary)."""
+  import jax
+  import jax.numpy as jnp
+
+  from pspec_jax import losses
+  from pspec_jax.sampling import filtered_logits
+
+  target_SV, draft_SV = losses.depth1_logits(drafter, target, jnp.asarray([prompt + answer]))
+  n = len(prompt)
+  # Token j sits at n + j: the target predicts it at n + j - 1, the drafter at pair n + j - 2.
+  p = jax.nn.softmax(filtered_logits(target_SV[0, n : n + len(answer) - 1], sampling), -1)
+  q = jax.nn.softmax(filtered_logits(draft_SV[0, n - 1 : n + len(answer) - 2], sampling), -1)
+  if drafter.vocab is not None:
+    q = jnp.zeros_like(p).at[:, drafter.vocab].set(q)
+  return np.asarray(jnp.minimum(p, q).sum(-1))
 
 
 def replay_rounds(agree_J: np.ndarray) -> tuple[int, int]:
@@ -88,12 +116,18 @@ def _records(path: str) -> list[dict]:
   return records
 
 
-def check_settings(records: list[dict], path: str, target: str, chat: bool) -> None:
-  """The answers must be this target's greedy ones, prompted as these flags prompt it (records
-  from before `infer.generate` wrote its settings are taken on trust)."""
+def check_settings(
+  records: list[dict], path: str, target: str, chat: bool, temperature: float = 0.0
+) -> None:
+  """The answers must be this target's, at this temperature (greedy by default), prompted as
+  these flags prompt it (records from before `infer.generate` wrote its settings are taken on
+  trust)."""
   for record in records:
-    if record.get("temperature", 0.0) != 0.0:
-      raise ValueError(f"{path}: answers sampled at T = {record['temperature']}; give T = 0 ones")
+    if record.get("temperature", temperature) != temperature:
+      raise ValueError(
+        f"{path}: answers sampled at T = {record['temperature']}; give T = {temperature:g} ones"
+        " (--temperature)"
+      )
     if record.get("target", target) != target:
       raise ValueError(f"{path}: answers of {record['target']}, but --target is {target}")
     if record.get("chat", chat) != chat:
@@ -115,17 +149,24 @@ def run() -> None:
   drafter_files.drafter_source(FLAGS.method, FLAGS.drafter, name)
   tokenizer = checkpoints.load_tokenizer(FLAGS.target)
   chat = FLAGS.chat if FLAGS.chat is not None else tokenizer.chat_template is not None
-  check_settings(records, FLAGS.answers, name, chat)
+  if FLAGS.temperature < 0:
+    raise ValueError(f"--temperature must be >= 0, got {FLAGS.temperature}")
+  check_settings(records, FLAGS.answers, name, chat, FLAGS.temperature)
   target = checkpoints.load_target(
     FLAGS.target, scan_layers=False, untie_head=True, weight_layout="decode"
   )
   drafter = drafter_files.resolve_drafter(FLAGS.method, FLAGS.drafter, target).with_head(target)
-  agree, loops, rounds, accepted = [], [], 0, 0
+  from pspec_jax.sampling import SamplingConfig
+
+  sampling = SamplingConfig(temperature=FLAGS.temperature)
+  agree, loops, overlap, rounds, accepted = [], [], [], 0, 0
   for record in records:
     if max(record["tokens"]) >= target.cfg.vocab_size:
       raise ValueError(f"{FLAGS.answers}: token ids past the target's vocabulary")
     prompt = data.encode_prompt(tokenizer, record["prompt"], chat)
     hits = depth1_agreement(target, drafter, prompt, record["tokens"])
+    if not sampling.greedy:
+      overlap.append(depth1_overlap(target, drafter, prompt, record["tokens"], sampling))
     r, acc = replay_rounds(hits)
     agree.append(hits)
     loops.append(data.in_loop(record["tokens"]))
@@ -140,6 +181,9 @@ def run() -> None:
   print(f"agreement after a hit: {rate(this[before])}; after a miss: {rate(this[~before])}")
   print(f"tokens in a loop (the 3 before them occurred earlier in the answer): {loop.mean():.3f}")
   print(f"agreement in loops: {rate(hit[loop])}; elsewhere: {rate(hit[~loop])}")
+  if overlap:
+    overlap = np.concatenate(overlap)
+    print(f"depth-1 1 - TV(p, q) at T = {FLAGS.temperature:g}: {rate(overlap)}")
 
 
 def define_flags():
@@ -149,6 +193,9 @@ def define_flags():
   flags.DEFINE_enum("method", "pspec", ["pspec", "eagle", "medusa", "pld"], "Drafter kind.")
   flags.DEFINE_string("drafter", None, "Drafter directory; default: the shipped one.")
   flags.DEFINE_bool("chat", None, "Apply the chat template (default: when the tokenizer has one).")
+  flags.DEFINE_float(
+    "temperature", 0.0, "The answers' temperature; above 0 also prints depth-1 1 - TV(p, q) at it."
+  )
   flags.mark_flag_as_required("answers")
 
 

@@ -49,6 +49,7 @@ class Setting:
   batch_size: int
   num_draft: int  # K as run (0 for none and hf)
   tree: str  # tree as run ("" for none and hf)
+  drafts: str = ""  # at T > 0, how drafted nodes are chosen (DecodeConfig.drafts); "" if moot
 
   @property
   def baseline(self) -> "Setting":
@@ -67,6 +68,7 @@ class Setting:
       num_draft=self.num_draft,
       tree=self.tree,
       mesh=mesh,
+      **({"drafts": self.drafts} if self.drafts else {}),
     )
 
 
@@ -169,10 +171,10 @@ def _values(value, kind) -> list:
     raise ValueError(f"expected comma-separated {kind.__name__}s, got {value!r}") from None
 
 
-def check_config(config) -> tuple[list, list, list, list, list]:
+def check_config(config) -> tuple[list, list, list, list, list, list]:
   """Everything the config says that needs no model, checked the same way by a run and by
-  `--dry_run`: (methods, temperatures, batch sizes, Ks, trees)."""
-  from pspec_jax import data
+  `--dry_run`: (methods, temperatures, batch sizes, Ks, trees, draft rules)."""
+  from pspec_jax import data, decode
   from pspec_jax import tree as tree_lib
 
   if config.num_prompts < 1 or config.max_new_tokens < 1:
@@ -191,6 +193,9 @@ def check_config(config) -> tuple[list, list, list, list, list]:
   trees = _values(config.tree, str)
   if not temperatures or not batch_sizes:
     raise ValueError("give at least one temperature and one batch size")
+  rules = _values(config.get("drafts", "sampled"), str)
+  if not rules or set(rules) - set(decode.DRAFTS):
+    raise ValueError(f"unknown drafts {config.drafts!r}: use {', '.join(decode.DRAFTS)}")
   if any(t < 0 for t in temperatures) or any(b < 1 for b in batch_sizes) or min(ks) < 0:
     raise ValueError("temperatures must be >= 0, batch sizes >= 1 and num_draft >= 0")
   for tree in trees:
@@ -198,7 +203,7 @@ def check_config(config) -> tuple[list, list, list, list, list]:
       tree_lib.parse(tree, 64)  # the spelling; depth is checked per drafter below
   if config.out and os.path.exists(config.out) and not os.path.isdir(config.out):
     raise ValueError(f"out: {config.out} is a file, not a directory: give a directory")
-  return methods, temperatures, batch_sizes, ks, trees
+  return methods, temperatures, batch_sizes, ks, trees, rules
 
 
 def settings_of(config, target, drafters: dict) -> tuple[list[Setting], list[str]]:
@@ -206,7 +211,7 @@ def settings_of(config, target, drafters: dict) -> tuple[list[Setting], list[str
   from pspec_jax import decode
   from pspec_jax import tree as tree_lib
 
-  methods, temperatures, batch_sizes, ks, trees = check_config(config)
+  methods, temperatures, batch_sizes, ks, trees, rules = check_config(config)
   out, skipped = [], []
   for dataset in _values(config.datasets, str):
     for temperature in temperatures:
@@ -233,12 +238,19 @@ def settings_of(config, target, drafters: dict) -> tuple[list[Setting], list[str
                 # The row would say K=k and decode the drafter's own K: not a setting.
                 skipped.append(f"{method} K={k} tree {name}: the tree fixes its own depth")
                 continue
-              setting = Setting(
-                method, dataset, temperature, batch, k or drafter.cfg.num_draft, name
-              )
-              if setting not in out:
-                out.append(setting)
+              for rule in rules:
+                setting = Setting(
+                  method, dataset, temperature, batch, k or drafter.cfg.num_draft, name, rule
+                )
+                drawn = dataclasses.replace(setting, drafts="sampled").decode_config(**_SHAPELESS)
+                if not decode.drawn_from_q(drawn, drafter):
+                  setting = dataclasses.replace(setting, drafts="")  # the rule changes nothing
+                if setting not in out:
+                  out.append(setting)
   return out, skipped
+
+
+_SHAPELESS = dict(max_new_tokens=1, eos_ids=(), pad_id=0)
 
 
 def phase_shares(target, drafter, batches, cfg) -> dict[str, float]:
@@ -556,6 +568,7 @@ def _row(s: Setting, records: dict, shares: dict | None) -> dict:
     batch_size=s.batch_size,
     num_draft=s.num_draft,
     tree=s.tree,
+    drafts=s.drafts,
     tokens_per_s=tokens_per_s,
     speedup=speedup,
     tau=tau,
@@ -581,11 +594,18 @@ def _label(r: dict, varied: set[str]) -> str:
     extra = [
       f"K={r['num_draft']}" if "num_draft" in varied else "",
       r["tree"] if "tree" in varied else "",
+      r.get("drafts", "") if "drafts" in varied else "",
     ]
     extra = [e for e in extra if e]
     if extra:
       label += f" ({', '.join(extra)})"
   return label
+
+
+def _varied(rows: list[dict]) -> set[str]:
+  """The setting fields that take several values among the drafted rows."""
+  keys = ("num_draft", "tree", "drafts")
+  return {k for k in keys if len({r.get(k, "") for r in rows if r["num_draft"]}) > 1}
 
 
 def _fmt(x, spec, suffix=""):
@@ -594,7 +614,7 @@ def _fmt(x, spec, suffix=""):
 
 def report(results: dict) -> str:
   meta, rows = results["meta"], results["rows"]
-  varied = {k for k in ("num_draft", "tree") if len({r[k] for r in rows if r["num_draft"]}) > 1}
+  varied = _varied(rows)
   datasets = list(dict.fromkeys(r["dataset"] for r in rows))
   lines = [
     f"# Decoding benchmark: {meta['target']}",
@@ -654,9 +674,9 @@ def report(results: dict) -> str:
     "",
     "## Every setting",
     "",
-    "| method | dataset | T | batch | K | tree | tokens/s | speedup | tau | accept per depth "
-    "| draft / verify / commit | lossless |",
-    "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    "| method | dataset | T | batch | K | tree | drafts | tokens/s | speedup | tau "
+    "| accept per depth | draft / verify / commit | lossless |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in rows:
     accept = " ".join(f"{a:.2f}" for a in r["accept_per_depth"] or [])
@@ -667,7 +687,7 @@ def report(results: dict) -> str:
       )
     lines.append(
       f"| {r['method']} | {r['dataset']} | {r['temperature']} | {r['batch_size']} | "
-      f"{r['num_draft'] or ''} | {r['tree']} | {r['tokens_per_s']:.1f} | "
+      f"{r['num_draft'] or ''} | {r['tree']} | {r.get('drafts', '')} | {r['tokens_per_s']:.1f} | "
       f"{_fmt(r['speedup'], '.2f', 'x')} | {_fmt(r['tau'], '.2f')} | {accept} | {split} | "
       f"{'' if r['lossless'] is None else r['lossless']} |"
     )
@@ -692,7 +712,7 @@ def plots(results: dict, out: str) -> list[str]:
   import numpy as np
 
   rows = results["rows"]
-  varied = {k for k in ("num_draft", "tree") if len({r[k] for r in rows if r["num_draft"]}) > 1}
+  varied = _varied(rows)
   first = [
     r
     for r in rows

@@ -5,6 +5,7 @@ r"""Generate text for one prompt or a file of prompts.
   python -m infer.generate --prompts=mt_bench --num_prompts=20 --method=pspec --json
   python -m infer.generate --target=path/to/hf_dir --temperature=0.7 --top_p=0.9 --seed=1
   python -m infer.generate --prompt="..." --method=pld --num_draft=6
+  python -m infer.generate --prompt="..." --method=pspec --temperature=1 --drafts=top_k
   python -m infer.generate --prompt="..." --method=pspec   # the shipped drafter of the target
   python -m infer.generate --prompt="..." --method=eagle --drafter=workdirs/eagle/export \
       --tree=dynamic:16
@@ -77,6 +78,7 @@ def run() -> None:
     num_draft=FLAGS.num_draft or 0,
     tree=FLAGS.tree or "",
     mesh=mesh,
+    drafts=FLAGS.drafts,
   )
   if mesh is not None:
     _, drafter = decode.shard(mesh, target, drafter)
@@ -218,6 +220,14 @@ def define_flags():
   )
   flags.DEFINE_string(
     "mesh", "", "Shard over a device mesh, e.g. data=2,tensor=4 (default: one device)."
+  )
+  flags.DEFINE_enum(
+    "drafts",
+    "sampled",
+    ["sampled", "top_k"],
+    "When sampling: draw the drafted tree from the drafter's distribution and accept it by "
+    "(recursive) speculative sampling, or take its top-k tokens and accept them by the "
+    "deterministic rule.",
   )
 
 

@@ -15,6 +15,17 @@ node are tried in rank order:
   greedy decoding. This case runs in that reduced form, on token ids alone: the walk over
   vocabulary-sized distributions costs a round a millisecond on a CPU.
 
+- sampling with drafts drawn from the drafter's distribution q (`sampled_walk`): standard
+  speculative sampling on a chain (Leviathan et al.; Chen et al.) and recursive rejection
+  sampling on a tree (Recursive Speculative Decoding, Jeon et al.). A node's drafted children
+  were drawn from q without replacement (Gumbel-top-k), and are tried in the order drawn: with
+  r the current residual and pi the proposal the child x was drawn from (q renormalised over the
+  siblings not yet tried), x is accepted with probability min(1, r(x) / pi(x)); on rejection
+  r becomes norm(max(0, r - pi)). Each step is a speculative-sampling step of r with proposal
+  pi, so the emitted token follows r, and by induction the node's target distribution.
+  Prompt-lookup children have no q: their proposal is the point mass on their token, for which
+  the same step is the deterministic rule above (accept with r(x), then zero r(x)).
+
 The last accepted node's residual gives the bonus token; tau = accepted + 1.
 """
 
@@ -34,6 +45,7 @@ def accept(
   max_depth: int,
   key: jax.Array,
   cfg: SamplingConfig,
+  drafts: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Walks every sequence's tree from the root.
 
@@ -44,6 +56,9 @@ def accept(
     max_depth: static bound on the tree depth (P).
     key: PRNG key for this round; unused when greedy.
     cfg: sampling settings, the same as plain decoding's.
+    drafts: (node_table_BM, draft_logq_BGV) when the drafted nodes were drawn from the
+      drafter's distributions (`sampled_walk`), else None (deterministic children). Ignored
+      when greedy.
 
   Returns:
     (path_BP1, num_accepted_B, bonus_B): node indices from the root down the accepted path
@@ -56,8 +71,10 @@ def accept(
     path_BP1 = jax.vmap(walk)(best_BM, node_tokens_BM, tree.children)
     last = path_BP1[:, -1:]
     bonus = jnp.take_along_axis(best_BM, last, axis=1)[:, 0]
-  else:
+  elif drafts is None:
     path_BP1, bonus = sampling_walk(logits_BMV, node_tokens_BM, tree, max_depth, key, cfg)
+  else:
+    path_BP1, bonus = sampled_walk(logits_BMV, node_tokens_BM, tree, *drafts, max_depth, key, cfg)
   num_accepted = jnp.take_along_axis(tree.depth, path_BP1[:, -1:], axis=1)[:, 0]
   return path_BP1, num_accepted.astype(jnp.int32), bonus.astype(jnp.int32)
 
@@ -140,3 +157,101 @@ def sampling_walk(logits_BMV, node_tokens_BM, tree, max_depth, key, cfg):
     logits_BMV, lse_BM, node_tokens_BM, tree.children, uniform_BPC
   )
   return path_BP1, categorical(bonus_key, residual_BV)
+
+
+def sampled_walk(
+  logits_BMV, node_tokens_BM, tree, node_table_BM, draft_logq_BGV, max_depth, key, cfg
+):
+  """(path_BP1, bonus_B) by recursive rejection sampling (the module docstring).
+
+  Args:
+    logits_BMV, node_tokens_BM, tree, max_depth, key, cfg: as `accept`'s.
+    node_table_BM: the row of `draft_logq_BGV` each node was drawn from; -1 for nodes with no
+      distribution (the root, prompt-lookup nodes), which are tried as point masses.
+    draft_logq_BGV: the drafter's (filtered) log-distributions the drafted nodes were drawn
+      from, over the target's vocabulary. A node's drafted children come from one row, in the
+      order drawn (rank order), without replacement.
+
+  Unlike `sampling_walk`, the residual is a vocabulary-sized vector: r - pi has no short form.
+  """
+  batch = logits_BMV.shape[0]
+  probs_BMV = jax.nn.softmax(filtered_logits(logits_BMV, cfg), axis=-1)
+  q_BGV = jnp.exp(draft_logq_BGV.astype(jnp.float32))
+  walk_key, bonus_key = jax.random.split(key)
+  uniform_BPC = jax.random.uniform(walk_key, (batch, max_depth, tree.children.shape[-1]))
+  path_BP1, log_residual_BV = recursive_rejection(
+    probs_BMV, q_BGV, node_tokens_BM, node_table_BM, tree.children, tree.depth, uniform_BPC
+  )
+  return path_BP1, categorical(bonus_key, log_residual_BV)
+
+
+def recursive_rejection(
+  probs_BMV, q_BGV, node_tokens_BM, node_table_BM, children_BMC, depth_BM, uniform_BPC
+):
+  """The walk of `sampled_walk` with its uniforms given: (path_BP1, log_residual_BV).
+
+  probs_BMV: the target's (filtered) distribution at every node; q_BGV: the draft
+  distributions; children_BMC, depth_BM: the tree's; uniform_BPC: one uniform per level and
+  child slot. log_residual_BV is the log of the (unnormalised) distribution the bonus token is
+  drawn from.
+  """
+  max_depth, num_slots = uniform_BPC.shape[1:]
+
+  def walk(p_MV, q_GV, tokens_M, table_M, children_MC, depth_M, uniform_PC):
+    # The row the drafted children of each node were drawn from (0 where none: never read).
+    kid_table_M = jnp.max(jnp.where(children_MC >= 0, table_M[children_MC], -1), axis=-1)
+    kid_q = lambda node: q_GV[jnp.maximum(kid_table_M[node], 0)]
+
+    def step(carry):
+      i, node, r, q_left, walking, moved, path = carry
+      depth, slot = i // num_slots, i % num_slots
+      child = jnp.maximum(children_MC[node, slot], 0)
+      token = tokens_M[child]
+      from_q = table_M[child] >= 0
+      # pi: q over the siblings not yet tried (q_left), renormalised; a point mass otherwise.
+      q_mass = q_left.sum()
+      # A drawn child of no q mass (q's support ran out before the siblings did) is no draft.
+      tried = walking & ~moved & (children_MC[node, slot] >= 0) & (~from_q | (q_left[token] > 0))
+      pi_token = jnp.where(from_q, q_left[token] / jnp.where(q_mass > 0, q_mass, 1.0), 1.0)
+      r_mass = r.sum()
+      # r[token] > 0: rounding may leave r_mass a few ulps off the exact sum.
+      accepted = tried & (r[token] > 0) & (uniform_PC[depth, slot] * r_mass * pi_token < r[token])
+      rejected = tried & ~accepted
+      onehot = jnp.arange(r.shape[0]) == token
+      pi = jnp.where(from_q, q_left / jnp.where(q_mass > 0, q_mass, 1.0), onehot)
+      residual = jnp.maximum(r / jnp.where(r_mass > 0, r_mass, 1.0) - pi, 0.0)
+      r = jnp.where(rejected, residual, r)
+      q_left = jnp.where(rejected & from_q & onehot, 0.0, q_left)
+      # A new node: its target distribution, and the q its drafted children came from.
+      r = jnp.where(accepted, p_MV[child], r)
+      q_left = jnp.where(accepted, kid_q(child), q_left)
+      node = jnp.where(accepted, child, node)
+      path = path.at[depth + 1].set(jnp.where(accepted, child, path[depth + 1]))
+      moved = moved | accepted
+      last_slot = slot == num_slots - 1
+      walking = jnp.where(last_slot, walking & moved, walking)
+      moved = jnp.where(last_slot, False, moved)
+      return i + 1, node, r, q_left, walking, moved, path
+
+    carry = (
+      jnp.int32(0),
+      jnp.int32(0),
+      p_MV[0],
+      kid_q(0),
+      jnp.bool_(True),
+      jnp.bool_(False),
+      jnp.zeros((max_depth + 1,), jnp.int32),
+    )
+    # Vocabulary-sized steps cost: the walk stops at the first level that accepts nothing.
+    carry = jax.lax.while_loop(lambda c: c[4] & (c[0] < max_depth * num_slots), step, carry)
+    _, node, r, _, _, _, path = carry
+    # Levels below the last accepted node repeat it.
+    path = jnp.where(jnp.arange(max_depth + 1) > depth_M[node], node, path)
+    # In exact arithmetic a residual is never empty when it is reached; if rounding emptied it,
+    # draw from the node's distribution instead.
+    r = jnp.where(r.sum() > 0, r, p_MV[node])
+    return path, jnp.log(r)
+
+  return jax.vmap(walk)(
+    probs_BMV, q_BGV, node_tokens_BM, node_table_BM, children_BMC, depth_BM, uniform_BPC
+  )

@@ -10,7 +10,9 @@ ready. A round
 2. verifies it: one target pass over the M nodes at positions n+1+depth, tree mask + cache
    (parts of the tree that no sequence has this round, a lookup chain or gated drafts, are
    left out of the pass),
-3. accepts a path and a new bonus token (`accept.accept`), greedy or lossless sampling,
+3. accepts a path and a new bonus token (`accept.accept`), greedy or lossless sampling (at
+   T > 0 by default the drafted nodes were drawn from the drafter's distribution q and are
+   accepted by speculative sampling, recursively on trees; `DecodeConfig.drafts`),
 4. commits the path's keys/values into contiguous cache slots and its tokens (cut at EOS and
    at the token budget), and
 5. feeds the accepted pairs (f_t, x_{t+1}) to the drafter, which proposes the next tree.
@@ -38,10 +40,12 @@ from jax.sharding import Mesh, NamedSharding
 from pspec_jax import sharding
 from pspec_jax import tree as tree_lib
 from pspec_jax.accept import accept
-from pspec_jax.drafter import Drafter, Pairs, pld_candidates, propose, take_rows
+from pspec_jax.drafter import Drafter, Draw, Pairs, draw_tables, pld_candidates, propose, take_rows
 from pspec_jax.kv_cache import KVCache
 from pspec_jax.llama import Target
 from pspec_jax.sampling import SamplingConfig, select
+
+DRAFTS = ("sampled", "top_k")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,6 +65,12 @@ class DecodeConfig:
       (`DrafterConfig.tree_for`).
     mesh: shard the batch and the caches over this mesh (parameters: `shard`); None is one
       device.
+    drafts: how a drafter with a distribution (pspec, eagle, medusa) drafts when sampling
+      (T > 0): "sampled" draws each node's children from its filtered distribution q without
+      replacement and accepts by speculative sampling (a draft is then accepted with
+      probability 1 - TV(p, q)); "top_k" takes its most probable tokens and accepts them by the
+      multi-child rule (a draft x with probability p(x)). Greedy decoding, pld and prompt-lookup
+      nodes are deterministic either way.
   """
 
   max_new_tokens: int = 128
@@ -71,6 +81,7 @@ class DecodeConfig:
   num_draft: int = 0
   tree: str = ""
   mesh: Mesh | None = None
+  drafts: str = "sampled"
 
   def __post_init__(self):
     if self.max_new_tokens < 1:
@@ -79,6 +90,8 @@ class DecodeConfig:
       raise ValueError(f"max_len must be >= 0 (0: derived), got {self.max_len}")
     if self.num_draft < 0:
       raise ValueError(f"num_draft must be >= 0 (0: the drafter's own), got {self.num_draft}")
+    if self.drafts not in DRAFTS:
+      raise ValueError(f"drafts must be one of {', '.join(DRAFTS)}, got {self.drafts!r}")
     object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
 
 
@@ -88,6 +101,17 @@ def pool_tree(cfg: DecodeConfig, drafter: Drafter | None) -> tree_lib.Tree:
     return tree_lib.ROOT_ONLY
   tree = cfg.tree or drafter.cfg.tree_for(cfg.sampling.greedy)
   return tree_lib.parse(tree, cfg.num_draft or drafter.cfg.num_draft)
+
+
+def drawn_from_q(cfg: DecodeConfig, drafter: Drafter | None) -> bool:
+  """Whether this decode draws its drafted nodes from the drafter's distribution q."""
+  return (
+    drafter is not None
+    and not cfg.sampling.greedy
+    and cfg.drafts == "sampled"
+    and drafter.cfg.kind != "pld"
+    and pool_tree(cfg, drafter).depth > 0
+  )
 
 
 @struct.dataclass
@@ -103,6 +127,7 @@ class DecodeState:
   drafter_cache: KVCache | None  # the drafter's cache over real pairs, if it has one
   node_tokens: jax.Array  # [B, M] next round's drafted pool nodes (node 0 becomes the bonus)
   node_logp: jax.Array  # [B, M] their draft log-probabilities given their parents
+  draft_logq: jax.Array  # [B, G, V] the q they were drawn from (`drawn_from_q`; else [B, 1, 1])
 
   @property
   def num_tokens(self) -> jax.Array:
@@ -136,6 +161,8 @@ class Verified:
   features: jax.Array  # [B, M, D]
   kv: tuple[jax.Array, jax.Array]  # [L, B, M, K, H] each
   logits: jax.Array  # [B, M, V] float32
+  node_table: jax.Array | None = None  # [B, M] row of draft_logq a node was drawn from, or -1
+  draft_logq: jax.Array | None = None  # [B, G, V] (`drawn_from_q`; else None)
 
 
 def _is_eos(tokens: jax.Array, cfg: DecodeConfig) -> jax.Array:
@@ -234,6 +261,7 @@ def init(
     drafter_cache=None if drafter is None else drafter.empty_cache(batch, max_len),
     node_tokens=jnp.zeros((batch, 1), jnp.int32),
     node_logp=jnp.zeros((batch, 1), jnp.float32),
+    draft_logq=jnp.zeros((batch, 1, 1), jnp.float32),
   )
   # Prompt pair t is (f_t, x_{t+1}); the last one carries the first bonus token.
   pairs = Pairs(tokens=tokens[:, 1 : width + 1], features=features, count=prompt_lengths)
@@ -253,10 +281,16 @@ def verify(target: Target, state: DecodeState, cfg: DecodeConfig, drafter=None) 
   bonus = state.tokens[jnp.arange(batch), n]
   node_tokens = state.node_tokens.at[:, 0].set(bonus)
   node_logp = state.node_logp
+  drawn = drawn_from_q(cfg, drafter)
+  node_table = None
+  if drawn:
+    node_table = jnp.broadcast_to(draw_tables(drafter.cfg.kind, pool), node_tokens.shape)
   if pool.budget:
     kept, tree = tree_lib.select_dynamic(pool, node_logp)
     node_tokens = jnp.take_along_axis(node_tokens, kept, axis=1)
     node_logp = jnp.take_along_axis(node_logp, kept, axis=1)
+    if drawn:
+      node_table = jnp.take_along_axis(node_table, kept, axis=1)
   else:
     tree = tree_lib.batched(pool, batch)
   drafted = node_tokens.shape[1]
@@ -270,6 +304,8 @@ def verify(target: Target, state: DecodeState, cfg: DecodeConfig, drafter=None) 
       state.tokens, state.num_tokens, pool.lookup, LOOKUP_NGRAMS[1], LOOKUP_NGRAMS[0]
     )
     node_tokens = jnp.concatenate([node_tokens, lookup_tokens], axis=1)
+    if drawn:  # lookup nodes are not drawn from q
+      node_table = jnp.pad(node_table, ((0, 0), (0, pool.lookup)), constant_values=-1)
     tree = tree_lib.with_lookup(tree, ok)
     parts.append((range(drafted, drafted + pool.lookup), jnp.any(ok[:, 0])))
   num_nodes = node_tokens.shape[1]
@@ -300,7 +336,15 @@ def verify(target: Target, state: DecodeState, cfg: DecodeConfig, drafter=None) 
   else:
     index = sum(has.astype(jnp.int32) << j for j, (_, has) in enumerate(parts))
     features, kv, logits = jax.lax.switch(index, branches)
-  return Verified(tree=tree, node_tokens=node_tokens, features=features, kv=kv, logits=logits)
+  return Verified(
+    tree=tree,
+    node_tokens=node_tokens,
+    features=features,
+    kv=kv,
+    logits=logits,
+    node_table=node_table,
+    draft_logq=state.draft_logq if drawn else None,
+  )
 
 
 # Prompt lookup finds the context's last 3, else last 2 tokens earlier in it; a lone repeated
@@ -318,6 +362,9 @@ def _spread(x: jax.Array, axis: int, index: np.ndarray, size: int) -> jax.Array:
 def accept_path(state: DecodeState, verified: Verified, cfg: DecodeConfig, drafter=None):
   """Step 3: every sequence's accepted path [B, P+1], drafts accepted [B] and bonus token [B],
   with this round's key (the choice `commit` makes)."""
+  drafts = None
+  if verified.node_table is not None:
+    drafts = (verified.node_table, verified.draft_logq)
   return accept(
     verified.logits,
     verified.node_tokens,
@@ -325,6 +372,7 @@ def accept_path(state: DecodeState, verified: Verified, cfg: DecodeConfig, draft
     pool_tree(cfg, drafter).max_depth,
     jax.random.fold_in(state.key, state.step + 1),
     cfg.sampling,
+    drafts,
   )
 
 
@@ -380,10 +428,20 @@ def draft(
     return state
   context = (state.tokens, state.num_tokens)
   pool = pool_tree(cfg, drafter)
-  drafter_cache, (node_tokens, node_logp) = propose(
-    drafter, target, state.drafter_cache, pairs, context, pool
-  )
-  return state.replace(drafter_cache=drafter_cache, node_tokens=node_tokens, node_logp=node_logp)
+  draw = None
+  if drawn_from_q(cfg, drafter):
+    # A stream of its own: keys derived from the rounds' keys (`accept_path` splits
+    # fold_in(key, step)) could repeat one of theirs (fold_in(k, 1) is split(k)[1]), and drafts
+    # that reuse the last round's random bits would follow what it accepted.
+    stream = jax.random.fold_in(state.key, DRAFT_STREAM)
+    draw = Draw(cfg.sampling, jax.random.fold_in(stream, state.step))
+  drafter_cache, nodes = propose(drafter, target, state.drafter_cache, pairs, context, pool, draw)
+  state = state.replace(drafter_cache=drafter_cache, node_tokens=nodes[0], node_logp=nodes[1])
+  return state.replace(draft_logq=nodes[2]) if draw is not None else state
+
+
+# Rounds fold their step (>= 0, far below this) into the decode's key; drafts use this stream.
+DRAFT_STREAM = 2**32 - 1
 
 
 def round_step(

@@ -293,6 +293,14 @@ def depth1_guesses(drafter, target, tokens_BS: jax.Array) -> jax.Array:
   `distill_rows` trains at depth 1 and decoding's proposals are tested to equal. Each row is one
   sequence; its last two guesses look past its end.
   """
+  _, draft_BSV = depth1_logits(drafter, target, tokens_BS)
+  return drafter.token_ids(jnp.argmax(draft_BSV, -1))
+
+
+def depth1_logits(drafter, target, tokens_BS: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(target_BSV, draft_BSV): the target's logits at every position (position t predicts
+  x_{t+1}) and the drafter's depth-1 logits of every pair (pair a predicts x_{a+2}, over the
+  draft vocabulary), teacher-forced as in `depth1_guesses`."""
   from pspec_jax.drafter import FeatureDrafter
 
   segments_BS = jnp.ones_like(tokens_BS)
@@ -310,4 +318,4 @@ def depth1_guesses(drafter, target, tokens_BS: jax.Array) -> jax.Array:
       None,
       method=FeatureDrafter.train_forward,
     )
-  return drafter.token_ids(jnp.argmax(drafter.logits(target, g_BSD), -1))
+  return target.logits(features_BSD), drafter.logits(target, g_BSD)

@@ -100,6 +100,30 @@ def test_each_drafter_decodes_with_its_own_tree_per_temperature():
   assert {s.tree for s in settings if s.method == "pspec"} == {"sparse4"}
 
 
+def test_both_acceptance_rules_in_one_run_where_the_rule_matters():
+  target = make_target(1.0)
+  drafters = {k: drafter_for(k, target, num_draft=3) for k in ("pld", "pspec")}
+  c = config(methods="pld,pspec", temperature="0,1", tree="chain", drafts="sampled,top_k")
+  settings, _ = bench.settings_of(c, target, drafters)
+  rules = {(s.method, s.temperature): set() for s in settings}
+  for s in settings:
+    rules[(s.method, s.temperature)].add(s.drafts)
+  # Only pspec sampling draws from q; greedy decoding and pld have one rule ("").
+  assert rules == {
+    ("none", 0.0): {""},
+    ("none", 1.0): {""},
+    ("pld", 0.0): {""},
+    ("pld", 1.0): {""},
+    ("pspec", 0.0): {""},
+    ("pspec", 1.0): {"sampled", "top_k"},
+  }
+  for s in settings:
+    cfg = s.decode_config(max_new_tokens=4, eos_ids=(), pad_id=0)
+    assert cfg.drafts == (s.drafts or "sampled")
+  with pytest.raises(ValueError, match="unknown drafts 'q'"):
+    bench.settings_of(config(drafts="q"), target, drafters)
+
+
 BAD_SETTINGS = [
   (dict(methods="none,magic"), "unknown methods ['magic']"),
   (dict(methods="bogus"), "unknown methods ['bogus']"),
@@ -108,6 +132,7 @@ BAD_SETTINGS = [
   (dict(batch_size="two"), "expected comma-separated ints"),
   (dict(tree="bushy"), "unknown tree 'bushy'"),
   (dict(num_prompts=0), "num_prompts and max_new_tokens must be >= 1"),
+  (dict(drafts="q"), "unknown drafts 'q'"),
 ]
 
 
@@ -238,7 +263,7 @@ def test_a_real_run_writes_results_report_and_plots(tmp_path):
   # The drafter's own greedy tree.
   shipped = drafter_files.shipped_drafter("smollm2-135m-instruct", "pspec")
   shipped = json.loads((pathlib.Path(shipped) / drafter_files.CONFIG_FILE).read_text())
-  assert rows["pspec"]["tree"] == shipped["tree"]
+  assert rows["pspec"]["tree"] == shipped.get("device_trees", {}).get("cpu", shipped)["tree"]
   assert rows["none"]["lossless"] is True and rows["pspec"]["lossless"] is True
   assert isinstance(rows["hf"]["lossless"], bool)
   depth = tree_lib.parse(rows["pspec"]["tree"], rows["pspec"]["num_draft"]).max_depth
