@@ -94,7 +94,7 @@ class DrafterConfig:
         f"DrafterConfig.draft_vocab_size must be in [0, {self.vocab_size}], "
         f"got {self.draft_vocab_size}"
       )
-    for tree in (self.tree, self.sampling_tree, "adaptive"):
+    for tree in (self.tree, self.sampling_tree, self.adaptive and "adaptive"):
       if tree:  # fails early on an unknown preset
         tree_lib.parse(self.resolve_tree(tree), self.num_draft)
 

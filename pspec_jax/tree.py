@@ -314,8 +314,10 @@ def parse(spec: str, num_draft: int) -> Tree:
   if num_draft < 1:
     raise ValueError(f"num_draft (K) must be >= 1, got {num_draft}")
   if spec == "adaptive" or spec.startswith("adaptive:"):
-    body = spec.removeprefix("adaptive").removeprefix(":") or ADAPTIVE.format(K=num_draft)
-    return adaptive([s for s in body.split("|") if s], num_draft)
+    specs = spec.removeprefix("adaptive").removeprefix(":").split("|")
+    if spec == "adaptive":  # the default set, less what K cannot draft
+      specs = [s for s in ADAPTIVE.format(K=num_draft).split("|") if s.count(".") < num_draft]
+    return adaptive([s for s in specs if s], num_draft)
   if spec == "lookup":  # no drafted nodes: a lookup chain of K
     return dataclasses.replace(ROOT_ONLY, lookup=num_draft)
   if spec.startswith("lookup:"):  # no drafted nodes: the lookup chain alone

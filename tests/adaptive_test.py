@@ -98,16 +98,16 @@ def test_drafts_stop_when_rejected_and_resume_when_accepted_again():
   stats = next_choice(adaptive.init_stats(POOL, 1))
   assert int(stats.choice) > 0  # the priors promise more than the costs
   # Every draft rejected: the root alone within a few rounds.
-  for rounds in range(1, 10):
+  rounds = 0
+  while int(stats.choice) > 0 and rounds < 10:
     stats = next_choice(fake_round(stats, hits=False))
-    if int(stats.choice) == 0:
-      break
+    rounds += 1
   assert int(stats.choice) == 0 and rounds <= 4
   # Nothing drafted for a while: the estimates drift back until a candidate is tried again ...
-  for waited in range(1, 200):
+  waited = 0
+  while int(stats.choice) == 0 and waited < 200:
     stats = next_choice(fake_round(stats, hits=True))  # the root alone verifies no draft
-    if int(stats.choice) > 0:
-      break
+    waited += 1
   assert int(stats.choice) > 0 and waited > 5
   # ... and, accepted again, drafting goes on (up to the whole chain).
   choices = []
