@@ -218,8 +218,15 @@ def resolve_drafter(
   if method == "none":
     return None
   if method == "pld":
-    # Prompt lookup verifies its K tokens only in rounds that found a match (`tree.parse`).
-    cfg = DrafterConfig.for_target("pld", target.cfg, num_draft=num_draft, tree="lookup")
+    # Prompt lookup verifies its K tokens only in rounds that found a match (`tree.parse`);
+    # adaptive, also K more, or none, by how often its chains were accepted.
+    cfg = DrafterConfig.for_target(
+      "pld",
+      target.cfg,
+      num_draft=num_draft,
+      tree="lookup",
+      adaptive=f"lookup:{num_draft}|lookup:{2 * num_draft}",
+    )
     return Drafter(cfg=cfg, params={})
   if spec == "random":
     return random_drafter(method, target, jax.random.key(seed), num_draft=num_draft)
