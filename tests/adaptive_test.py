@@ -145,3 +145,44 @@ def test_a_lookup_match_makes_the_lookup_candidates_pay():
   active = jnp.asarray([True])
   assert int(adaptive.choose(stats, pool, costs, jnp.asarray([False]), active)) == 0
   assert int(adaptive.choose(stats, pool, costs, jnp.asarray([True]), active)) == 2
+
+
+# --- spelling: trees and drafter files ---------------------------------------------------------
+
+
+def test_an_adaptive_tree_is_the_union_of_its_candidates_and_the_root_alone():
+  pool = tree_lib.parse("adaptive:paths:0/1|chain+lookup:3|lookup:2", 4)
+  assert [c.spec for c in pool.candidates] == [
+    "paths:",
+    "paths:0/1",
+    "paths:0/0.0/0.0.0/0.0.0.0+lookup:3",
+    "lookup:2",
+  ]
+  assert pool.paths == ((0,), (1,), (0, 0), (0, 0, 0), (0, 0, 0, 0)) and pool.lookup == 3
+  assert tree_lib.parse(pool.spec, 4) == pool
+  assert adaptive.branch_nodes(pool)[2:4] == [(0, 1, 2), (0, 1, 2)]  # paths:0/1, no lookup
+  assert adaptive.branch_nodes(pool)[2 * 3 + 1] == (0, 6, 7)  # lookup:2 found: the root, 2 more
+  # The default set, less what K allows.
+  assert tree_lib.parse("adaptive", 1).spec == "adaptive:lookup:1|paths:0+lookup:1"
+  for bad, message in [
+    ("adaptive:dynamic:4", "static tree without a gate"),
+    ("adaptive:paths:0+min:0.2", "static tree without a gate"),
+    ("adaptive:adaptive", "cannot be adaptive"),
+    ("adaptive:paths:0/0.0/0.0.0", "deeper than K=2"),
+  ]:
+    with pytest.raises(ValueError, match=message):
+      tree_lib.parse(bad, 2)
+
+
+def test_a_drafter_file_keeps_its_adaptive_candidates(target, tmp_path):
+  from pspec_jax import drafter_files
+
+  drafter = drafter_for("medusa", target)
+  drafter = drafter.replace(cfg=drafter.cfg.replace(tree="adaptive", adaptive="paths:0|lookup:3"))
+  drafter_files.save_drafter(str(tmp_path), drafter)
+  loaded = drafter_files.load_drafter(str(tmp_path), target)
+  assert loaded.cfg.adaptive == "paths:0|lookup:3"
+  pool = decode.pool_tree(decode.DecodeConfig(), loaded)
+  assert [c.spec for c in pool.candidates] == ["paths:", "paths:0", "lookup:3"]
+  with pytest.raises(ValueError, match="unknown tree 'bushy'"):
+    drafter.cfg.replace(adaptive="bushy")
