@@ -186,3 +186,16 @@ def test_a_drafter_file_keeps_its_adaptive_candidates(target, tmp_path):
   assert [c.spec for c in pool.candidates] == ["paths:", "paths:0", "lookup:3"]
   with pytest.raises(ValueError, match="unknown tree 'bushy'"):
     drafter.cfg.replace(adaptive="bushy")
+
+
+def test_stream_equals_generate_with_an_adaptive_tree(target):
+  tokens, lengths = padded(PROMPTS)
+  cfg = decode.DecodeConfig(max_new_tokens=20, eos_ids=(3,), tree=TREES[1])
+  drafter = drafter_for("eagle", target)
+  out = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter)
+  pieces = [[] for _ in PROMPTS]
+  for new in decode.stream(target, tokens, lengths, jax.random.key(0), cfg, drafter):
+    for row, ids in enumerate(new):
+      pieces[row].extend(ids.tolist())
+  for row in range(len(PROMPTS)):
+    assert pieces[row] == out.tokens[row, : out.lengths[row]].tolist()
