@@ -11,8 +11,10 @@ first, then they are interleaved prompt batch by prompt batch, so machine noise 
 alike; the family's compiled programs are dropped before the next. Per setting it records
 tokens/s, the speedup over `none` measured in the same run, tau (tokens per target pass),
 per-depth acceptance, the share of a round spent drafting, verifying and accepting +
-committing (from a few prompts run phase by phase), and at temperature 0 whether every output
-equals `none`'s token for token (the lossless check).
+committing (from a few prompts run phase by phase), at temperature 0 whether every output
+equals `none`'s token for token (the lossless check), and for an adaptive tree how often each
+candidate was chosen. An adaptive tree's round costs come from this machine's calibration
+(`infer.calibration`, measured at the first run that needs them).
 
 Methods: `none` (plain decoding), `pld`, `medusa`, `eagle`, `pspec` (pspec_jax.decode with the
 shipped drafters or those under `drafter_dir`), and `hf` / `hf_pld` (HF transformers' PyTorch
@@ -79,6 +81,7 @@ class Outcome:
   tokens: list[list[int]]
   rounds: list[int] | None = None
   accepted: list[list[int]] | None = None
+  chosen: dict[str, int] | None = None  # an adaptive tree's rounds per candidate
 
 
 class OurMethod:
@@ -103,10 +106,15 @@ class OurMethod:
         tokens, ((0, 0), (0, self.width - tokens.shape[1])), constant_values=self.pad_id
       )
     out = jax.device_get(decode.generate(self.target, tokens, lengths, key, self.cfg, self.drafter))
+    chosen = None
+    if out.chosen is not None:
+      candidates = decode.pool_tree(self.cfg, self.drafter).candidates
+      chosen = {c.spec: int(n) for c, n in zip(candidates, out.chosen, strict=True)}
     return Outcome(
       tokens=[np.asarray(out.tokens[b, : out.lengths[b]]).tolist() for b in range(len(batch))],
       rounds=np.asarray(out.rounds).tolist(),
       accepted=np.asarray(out.accepted_per_depth).tolist(),
+      chosen=chosen,
     )
 
 
@@ -480,6 +488,16 @@ def run(config, progress=True) -> dict:
       max_new_tokens=config.max_new_tokens, eos_ids=eos_ids, pad_id=pad_id, mesh=mesh
     )
 
+  def costs(s: Setting, cfg) -> tuple:
+    """An adaptive tree's round costs on this machine (measured once, then read back)."""
+    from infer import calibration
+
+    drafter = drafters.get(s.method)
+    if drafter is None or not decode.pool_tree(cfg, drafter).candidates:
+      return ()
+    first = prompts[s.dataset][0]
+    return calibration.costs_for(target, drafter, cfg, s.batch_size, first)
+
   runners = {}
   for s in settings:
     if s.method in HF_METHODS:
@@ -492,7 +510,9 @@ def run(config, progress=True) -> dict:
       )
     else:
       width = data.bucket(max(map(len, prompts[s.dataset])))
-      runners[s] = OurMethod(target, drafters.get(s.method), decode_config(s), pad_id, width)
+      cfg = decode_config(s)
+      cfg = dataclasses.replace(cfg, costs=costs(s, cfg))
+      runners[s] = OurMethod(target, drafters.get(s.method), cfg, pad_id, width)
 
   def time_split(s: Setting) -> dict[str, float] | None:
     if s.method not in OUR_METHODS or not config.phase_prompts:
@@ -561,6 +581,9 @@ def _row(s: Setting, records: dict, shares: dict | None) -> dict:
     accept = [sum(a[d] for a in accepted) / max(sum(rounds), 1) for d in range(depth)]
   elif s.method == "hf":
     tau, per_prompt_tau = 1.0, [1.0] * len(seqs)
+  chosen = None
+  if runs[0][1].chosen is not None:
+    chosen = {name: sum(o.chosen[name] for _, o in runs) for name in runs[0][1].chosen}
   return dict(
     method=s.method,
     dataset=s.dataset,
@@ -581,6 +604,7 @@ def _row(s: Setting, records: dict, shares: dict | None) -> dict:
     tokens=num_tokens,
     seconds=seconds,
     tau_per_prompt=per_prompt_tau,
+    chosen=chosen,
   )
 
 
@@ -691,6 +715,7 @@ def report(results: dict) -> str:
       f"{_fmt(r['speedup'], '.2f', 'x')} | {_fmt(r['tau'], '.2f')} | {accept} | {split} | "
       f"{'' if r['lossless'] is None else r['lossless']} |"
     )
+  lines += _chosen_table(rows)
   if meta["skipped"]:
     lines += ["", "Left out: " + "; ".join(meta["skipped"]) + "."]
   if "decode_step_ms" in meta:
@@ -701,6 +726,30 @@ def report(results: dict) -> str:
       f"measured read bandwidth): ratio {meta['step_over_floor']:.2f}.",
     ]
   return "\n".join(lines) + "\n"
+
+
+def _chosen_table(rows: list[dict]) -> list[str]:
+  """How often each candidate of an adaptive tree was chosen, per setting (share of rounds)."""
+  adaptive = [r for r in rows if r.get("chosen")]
+  if not adaptive:
+    return []
+  lines = [
+    "",
+    "## Adaptive trees: share of rounds per candidate",
+    "",
+    "| method | dataset | T | batch | candidate: share of rounds |",
+    "|---|---|---|---|---|",
+  ]
+  for r in adaptive:
+    total = max(sum(r["chosen"].values()), 1)
+    shares = ", ".join(
+      f"{'root alone' if name == 'paths:' else name}: {100 * n / total:.0f}%"
+      for name, n in r["chosen"].items()
+    )
+    lines.append(
+      f"| {r['method']} | {r['dataset']} | {r['temperature']} | {r['batch_size']} | {shares} |"
+    )
+  return lines
 
 
 def plots(results: dict, out: str) -> list[str]:

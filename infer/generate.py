@@ -14,6 +14,7 @@ On a terminal, text streams as it is generated (batch size 1); `--json` prints o
 per prompt instead.
 """
 
+import dataclasses
 import json
 import sys
 import time
@@ -83,6 +84,14 @@ def run() -> None:
   if mesh is not None:
     _, drafter = decode.shard(mesh, target, drafter)
   check_num_draft(FLAGS.num_draft, cfg, drafter)
+  if drafter is not None and decode.pool_tree(cfg, drafter).candidates:
+    from infer import calibration
+
+    # An adaptive tree weighs this machine's round costs: measured once, then read back.
+    batch = min(FLAGS.batch_size, len(encoded))
+    cfg = dataclasses.replace(
+      cfg, costs=calibration.costs_for(target, drafter, cfg, batch, encoded[0])
+    )
   depth = decode.pool_tree(cfg, drafter).max_depth
   max_width = target.cfg.max_position_embeddings - cfg.max_new_tokens - depth
   live = sys.stdout.isatty() and not FLAGS.json and FLAGS.batch_size == 1

@@ -17,6 +17,11 @@ ready. A round
    at the token budget), and
 5. feeds the accepted pairs (f_t, x_{t+1}) to the drafter, which proposes the next tree.
 
+An adaptive tree (`tree="adaptive"`) picks, at the end of each round, which of its candidate
+trees the next round drafts and verifies (`pspec_jax.adaptive`): a round then drafts that
+candidate's nodes alone (the root alone: the drafter only takes in the new pairs), and the
+target verifies them through the same `lax.switch` that leaves a lookup chain out.
+
 Plain auto-regressive decoding (`drafter=None`) is the round whose tree is the root alone.
 `generate` runs prefill plus rounds until every sequence is done, all on device; `stream`
 drives the same jitted round function from the host. Shapes are fixed by (batch, prompt width,
@@ -37,10 +42,19 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding
 
-from pspec_jax import sharding
+from pspec_jax import adaptive, sharding
 from pspec_jax import tree as tree_lib
 from pspec_jax.accept import accept
-from pspec_jax.drafter import Drafter, Draw, Pairs, draw_tables, pld_candidates, propose, take_rows
+from pspec_jax.drafter import (
+  Drafter,
+  Draw,
+  Pairs,
+  draw_tables,
+  feed,
+  pld_candidates,
+  propose,
+  take_rows,
+)
 from pspec_jax.kv_cache import KVCache
 from pspec_jax.llama import Target
 from pspec_jax.sampling import SamplingConfig, select
@@ -61,8 +75,11 @@ class DecodeConfig:
     pad_id: fills `DecodeOutput.tokens` past each sequence's length.
     num_draft: K, draft tokens per round; 0 means the drafter's own.
     tree: tree name (`tree.parse`: chain, sparseN, dynamic:N, paths:..., each optionally with
-      a gate +min:P and +lookup:L); "" is the drafter's for this temperature
-      (`DrafterConfig.tree_for`).
+      a gate +min:P and +lookup:L; or adaptive, adaptive:A|B|...); "" is the drafter's for
+      this temperature (`DrafterConfig.tree_for`).
+    costs: an adaptive tree's cost of a round with each candidate, the root alone first (1.0),
+      relative to a plain round: (lookup chain left out, lookup chain verified) pairs, as
+      `infer.calibration` measures them; () is `adaptive.default_costs`' guess.
     mesh: shard the batch and the caches over this mesh (parameters: `shard`); None is one
       device.
     drafts: how a drafter with a distribution (pspec, eagle, medusa) drafts when sampling
@@ -80,6 +97,7 @@ class DecodeConfig:
   pad_id: int = 0
   num_draft: int = 0
   tree: str = ""
+  costs: tuple[tuple[float, float], ...] = ()
   mesh: Mesh | None = None
   drafts: str = "sampled"
 
@@ -93,25 +111,38 @@ class DecodeConfig:
     if self.drafts not in DRAFTS:
       raise ValueError(f"drafts must be one of {', '.join(DRAFTS)}, got {self.drafts!r}")
     object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
+    try:
+      costs = tuple((float(a), float(b)) for a, b in self.costs)
+    except (TypeError, ValueError):
+      raise ValueError(f"costs must be (float, float) pairs, got {self.costs!r}") from None
+    object.__setattr__(self, "costs", costs)
 
 
 def pool_tree(cfg: DecodeConfig, drafter: Drafter | None) -> tree_lib.Tree:
   """The tree (or dynamic pool) drafted each round; the root alone without a drafter."""
   if drafter is None:
     return tree_lib.ROOT_ONLY
-  tree = cfg.tree or drafter.cfg.tree_for(cfg.sampling.greedy)
+  tree = drafter.cfg.resolve_tree(cfg.tree or drafter.cfg.tree_for(cfg.sampling.greedy))
   return tree_lib.parse(tree, cfg.num_draft or drafter.cfg.num_draft)
 
 
 def drawn_from_q(cfg: DecodeConfig, drafter: Drafter | None) -> bool:
-  """Whether this decode draws its drafted nodes from the drafter's distribution q."""
+  """Whether this decode draws its drafted nodes from the drafter's distribution q. Adaptive
+  trees draft their candidates deterministically (the top-k rule) for now."""
   return (
     drafter is not None
     and not cfg.sampling.greedy
     and cfg.drafts == "sampled"
     and drafter.cfg.kind != "pld"
     and pool_tree(cfg, drafter).depth > 0
+    and not pool_tree(cfg, drafter).candidates
   )
+
+
+def round_costs(cfg: DecodeConfig, drafter: Drafter | None) -> tuple[tuple[float, float], ...]:
+  """The adaptive tree's candidate costs: `cfg.costs`, else `adaptive.default_costs`."""
+  pool = pool_tree(cfg, drafter)
+  return cfg.costs or adaptive.default_costs(pool, drafter.cfg.kind)
 
 
 @struct.dataclass
@@ -128,6 +159,7 @@ class DecodeState:
   node_tokens: jax.Array  # [B, M] next round's drafted pool nodes (node 0 becomes the bonus)
   node_logp: jax.Array  # [B, M] their draft log-probabilities given their parents
   draft_logq: jax.Array  # [B, G, V] the q they were drawn from (`drawn_from_q`; else [B, 1, 1])
+  adapt: adaptive.Stats | None = None  # an adaptive tree's statistics and next candidate
 
   @property
   def num_tokens(self) -> jax.Array:
@@ -145,6 +177,7 @@ class DecodeOutput:
   lengths: jax.Array  # [B] generated tokens, EOS included
   rounds: jax.Array  # [B] verification rounds (the prefill, which gives token 1, excluded)
   accepted_per_depth: jax.Array  # [B, P] rounds that accepted a draft token at depth d + 1
+  chosen: jax.Array | None = None  # [C] rounds verified with each adaptive candidate
 
   @property
   def tau(self) -> jax.Array:
@@ -262,6 +295,7 @@ def init(
     node_tokens=jnp.zeros((batch, 1), jnp.int32),
     node_logp=jnp.zeros((batch, 1), jnp.float32),
     draft_logq=jnp.zeros((batch, 1, 1), jnp.float32),
+    adapt=adaptive.init_stats(pool, batch) if pool.candidates else None,
   )
   # Prompt pair t is (f_t, x_{t+1}); the last one carries the first bonus token.
   pairs = Pairs(tokens=tokens[:, 1 : width + 1], features=features, count=prompt_lengths)
@@ -294,6 +328,8 @@ def verify(target: Target, state: DecodeState, cfg: DecodeConfig, drafter=None) 
   else:
     tree = tree_lib.batched(pool, batch)
   drafted = node_tokens.shape[1]
+  if pool.candidates:
+    return _verify_adaptive(target, state, pool, tree, node_tokens)
   # Each part of the tree that a round may leave out: its nodes, and whether this round has it.
   parts = []
   if pool.min_prob:
@@ -309,19 +345,7 @@ def verify(target: Target, state: DecodeState, cfg: DecodeConfig, drafter=None) 
     tree = tree_lib.with_lookup(tree, ok)
     parts.append((range(drafted, drafted + pool.lookup), jnp.any(ok[:, 0])))
   num_nodes = node_tokens.shape[1]
-
-  def run(nodes):  # the target over these nodes (closed under ancestors); zeros elsewhere
-    index = np.asarray(nodes)
-    whole = len(index) == num_nodes
-    tokens, depth, ancestors = node_tokens, tree.depth, tree.ancestors
-    if not whole:
-      tokens, depth, ancestors = tokens[:, index], depth[:, index], ancestors[:, index][:, :, index]
-    features, kv = target(tokens, n[:, None] + depth, state.cache, ancestors)
-    out = features, kv, target.logits(features)
-    if whole:
-      return out
-    return jax.tree.map(lambda x, axis: _spread(x, axis, index, num_nodes), out, (1, (2, 2), 1))
-
+  run = functools.partial(_run_nodes, target, state, tree, node_tokens)
   optional = {i for nodes, _ in parts for i in nodes}
   always = [i for i in range(num_nodes) if i not in optional]
   # Branch k runs the parts whose bit is set in k; the round picks the parts it has.
@@ -345,6 +369,47 @@ def verify(target: Target, state: DecodeState, cfg: DecodeConfig, drafter=None) 
     node_table=node_table,
     draft_logq=state.draft_logq if drawn else None,
   )
+
+
+def _run_nodes(target, state, tree, node_tokens, nodes):
+  """The target over these nodes (closed under ancestors) of the tree; zeros elsewhere."""
+  n = state.cache.lengths
+  num_nodes = node_tokens.shape[1]
+  index = np.asarray(nodes)
+  whole = len(index) == num_nodes
+  tokens, depth, ancestors = node_tokens, tree.depth, tree.ancestors
+  if not whole:
+    tokens, depth, ancestors = tokens[:, index], depth[:, index], ancestors[:, index][:, :, index]
+  features, kv = target(tokens, n[:, None] + depth, state.cache, ancestors)
+  out = features, kv, target.logits(features)
+  if whole:
+    return out
+  return jax.tree.map(lambda x, axis: _spread(x, axis, index, num_nodes), out, (1, (2, 2), 1))
+
+
+def _verify_adaptive(target, state, pool, tree, node_tokens) -> Verified:
+  """An adaptive round's verification: the union tree cut to the chosen candidate, and its
+  lookup chain where a sequence found one; the pass covers exactly those nodes."""
+  choice = state.adapt.choice
+  tree, chain_L = adaptive.restrict(tree, pool, choice)
+  runs = jnp.bool_(False)
+  if pool.lookup:
+    lookup_tokens, ok = pld_candidates(
+      state.tokens, state.num_tokens, pool.lookup, LOOKUP_NGRAMS[1], LOOKUP_NGRAMS[0]
+    )
+    ok = ok & chain_L[None, :]
+    node_tokens = jnp.concatenate([node_tokens, lookup_tokens], axis=1)
+    tree = tree_lib.with_lookup(tree, ok)
+    runs = jnp.any(ok[:, 0])
+  # One branch per distinct node set, (candidate, lookup runs) -> branch.
+  sets = adaptive.branch_nodes(pool)
+  unique = list(dict.fromkeys(sets))
+  run = functools.partial(_run_nodes, target, state, tree, node_tokens)
+  branches = [functools.partial(run, nodes) for nodes in unique]
+  which = jnp.asarray([unique.index(nodes) for nodes in sets], jnp.int32)
+  index = which[2 * choice + runs.astype(jnp.int32)]
+  features, kv, logits = jax.lax.switch(index, branches)
+  return Verified(tree=tree, node_tokens=node_tokens, features=features, kv=kv, logits=logits)
 
 
 # Prompt lookup finds the context's last 3, else last 2 tokens earlier in it; a lone repeated
@@ -428,6 +493,8 @@ def draft(
     return state
   context = (state.tokens, state.num_tokens)
   pool = pool_tree(cfg, drafter)
+  if pool.candidates:
+    return _draft_adaptive(target, drafter, state, pairs, cfg, pool)
   draw = None
   if drawn_from_q(cfg, drafter):
     # A stream of its own: keys derived from the rounds' keys (`accept_path` splits
@@ -444,11 +511,60 @@ def draft(
 DRAFT_STREAM = 2**32 - 1
 
 
+def _draft_adaptive(target, drafter, state, pairs, cfg, pool) -> DecodeState:
+  """Chooses the next round's candidate (`adaptive.choose`) and drafts its nodes alone, placed
+  at their indices in the union tree; the root alone drafts nothing."""
+  context = (state.tokens, state.num_tokens)
+  batch = state.tokens.shape[0]
+  found = jnp.zeros((batch,), jnp.bool_)
+  if pool.lookup:
+    found = pld_candidates(state.tokens, state.num_tokens, 1, LOOKUP_NGRAMS[1], LOOKUP_NGRAMS[0])[
+      1
+    ][:, 0]
+  costs = round_costs(cfg, drafter)
+  choice = adaptive.choose(state.adapt, pool, costs, found, ~state.done)
+  union = {p: i + 1 for i, p in enumerate(pool.paths)}
+
+  def drafted(cand):
+    if not cand.paths:
+      cache = feed(drafter, target, state.drafter_cache, pairs)
+      return (
+        cache,
+        jnp.zeros((batch, pool.num_nodes), jnp.int32),
+        jnp.zeros((batch, pool.num_nodes)),
+      )
+    cache, (tokens, logp) = propose(drafter, target, state.drafter_cache, pairs, context, cand)
+    index = np.asarray([0] + [union[p] for p in cand.paths])
+    place = lambda x: jnp.zeros((batch, pool.num_nodes), x.dtype).at[:, index].set(x)
+    return cache, place(tokens), place(logp.astype(jnp.float32))
+
+  # One branch per distinct drafted part (candidates differing in their lookup chain share one).
+  shapes = [tree_lib.Tree(paths=c.paths) for c in pool.candidates]
+  unique = list(dict.fromkeys(shapes))
+  which = jnp.asarray([unique.index(t) for t in shapes], jnp.int32)
+  branches = [functools.partial(drafted, t) for t in unique]
+  cache, node_tokens, node_logp = jax.lax.switch(which[choice], branches)
+  return state.replace(
+    drafter_cache=cache,
+    node_tokens=node_tokens,
+    node_logp=node_logp,
+    adapt=state.adapt.replace(choice=choice),
+  )
+
+
 def round_step(
   target: Target, state: DecodeState, cfg: DecodeConfig, drafter: Drafter | None = None
 ) -> DecodeState:
   """One round: verify the drafted tree, accept and commit, draft the next tree."""
-  state, pairs = commit(state, verify(target, state, cfg, drafter), cfg, drafter)
+  verified = verify(target, state, cfg, drafter)
+  before = state
+  state, pairs = commit(state, verified, cfg, drafter)
+  if state.adapt is not None:
+    # The same accepted path `commit` took (same inputs and key: XLA computes it once).
+    path, num_accepted, _ = accept_path(before, verified, cfg, drafter)
+    pool = pool_tree(cfg, drafter)
+    stats = adaptive.observe(before.adapt, pool, verified.tree, path, num_accepted, ~before.done)
+    state = state.replace(adapt=stats)
   return _constrain_state(draft(target, drafter, state, pairs, cfg), cfg)
 
 
@@ -463,6 +579,7 @@ def finish(state: DecodeState, cfg: DecodeConfig) -> DecodeOutput:
     lengths=lengths,
     rounds=state.rounds,
     accepted_per_depth=state.accepted,
+    chosen=None if state.adapt is None else state.adapt.chosen,
   )
 
 
@@ -497,7 +614,10 @@ def check_inputs(
     )
   if drafter is not None:
     check_drafter(target, drafter, cfg)
-  depth = pool_tree(cfg, drafter).max_depth
+  pool = pool_tree(cfg, drafter)
+  if pool.candidates and cfg.costs:
+    adaptive.check_costs(pool, cfg.costs)
+  depth = pool.max_depth
   width = prompt_tokens.shape[1]
   needed = width + cfg.max_new_tokens + depth
   if cfg.max_len and needed > cfg.max_len:

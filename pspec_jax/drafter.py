@@ -65,6 +65,8 @@ class DrafterConfig:
     sampling_tree: the tree it decodes with at temperature > 0; "" is `tree`. Sampled drafts
       are accepted less often than greedy ones, so a smaller tree (or prompt lookup alone)
       can be the faster one there.
+    adaptive: the candidate trees (`A|B|...`) the tree `adaptive` chooses from each round;
+      "" is `tree.ADAPTIVE`.
     target_name, vocab_size, hidden_size: identity of the target (checked at load time).
     num_heads, num_kv_heads, head_dim, intermediate_size: the drafter layer's widths.
     rope_theta, rope_scaling, rms_norm_eps: as the target's.
@@ -80,6 +82,7 @@ class DrafterConfig:
   num_draft: int = 4
   tree: str = "chain"
   sampling_tree: str = ""
+  adaptive: str = ""
   target_name: str
   vocab_size: int
   hidden_size: int
@@ -108,9 +111,9 @@ class DrafterConfig:
         f"DrafterConfig.draft_vocab_size must be in [0, {self.vocab_size}], "
         f"got {self.draft_vocab_size}"
       )
-    tree_lib.parse(self.tree, self.num_draft)  # fails early on an unknown preset
-    if self.sampling_tree:
-      tree_lib.parse(self.sampling_tree, self.num_draft)
+    for tree in (self.tree, self.sampling_tree, self.adaptive and "adaptive"):
+      if tree:  # fails early on an unknown preset
+        tree_lib.parse(self.resolve_tree(tree), self.num_draft)
 
   @classmethod
   def for_target(cls, kind: str, target: LlamaConfig, **overrides) -> "DrafterConfig":
@@ -160,6 +163,12 @@ class DrafterConfig:
   def tree_for(self, greedy: bool) -> str:
     """The tree this drafter decodes with, greedy or sampling."""
     return self.tree if greedy else self.sampling_tree or self.tree
+
+  def resolve_tree(self, tree: str) -> str:
+    """`tree` with `adaptive` spelled out as this drafter's candidate set."""
+    if tree == "adaptive" and self.adaptive:
+      return f"adaptive:{self.adaptive}"
+    return tree
 
 
 class FeatureDrafter(nn.Module):
@@ -593,6 +602,18 @@ def _propose_pld(drafter, target, cache, pairs, context, pool):
   tokens, ok = pld_candidates(tokens_BW, num_tokens_B, pool.depth, drafter.cfg.max_ngram)
   logp = jnp.where(ok, 0.0, -jnp.inf)
   return cache, _nodes_from_candidates(tokens[..., None], logp[..., None], pool)
+
+
+def feed(drafter: Drafter, target: Target, cache: KVCache | None, pairs: Pairs):
+  """The drafter's cache after taking in `pairs`, with nothing drafted (a round that verifies
+  the root alone); the keys/values are those `propose` writes (real pairs never see slots)."""
+  if cache is None:
+    return None
+  u = drafter.apply(target.embed(pairs.tokens), pairs.features, method=FeatureDrafter.pairs)
+  num_real = pairs.tokens.shape[1]
+  causal = jnp.tril(jnp.ones((num_real, num_real), jnp.bool_))
+  _, kv = drafter.apply(u, cache.lengths[:, None] + jnp.arange(num_real), causal, cache)
+  return cache.write(kv, pairs.count)
 
 
 def propose(

@@ -1,10 +1,11 @@
 """Drafter files: a directory with `drafter.json` (config) and `drafter.safetensors` (params).
 
-The JSON records the drafter's kind, K, tree presets (greedy and optionally sampling, plus
-per-device ones, `device_trees`), layer widths and the identity of the target it was built for
-(name, vocab size, feature width); loading it against another target is one clear error.
-Parameters are stored flat (`block/attn/q`, ...), in float32 or bfloat16, next to the token ids
-of a restricted draft vocabulary (`draft_vocab`), if the drafter has one.
+The JSON records the drafter's kind, K, tree presets (greedy and optionally sampling, the
+candidate set of its `adaptive` tree, plus per-device ones, `device_trees`), layer widths and
+the identity of the target it was built for (name, vocab size, feature width); loading it
+against another target is one clear error. Parameters are stored flat (`block/attn/q`, ...),
+in float32 or bfloat16, next to the token ids of a restricted draft vocabulary (`draft_vocab`),
+if the drafter has one.
 """
 
 import json
@@ -24,7 +25,8 @@ FORMAT_VERSION = 1
 CONFIG_FILE = "drafter.json"
 PARAMS_FILE = "drafter.safetensors"
 VOCAB_TENSOR = "draft_vocab"  # int32 token ids of a restricted draft vocabulary
-# {platform: {"tree": ..., "sampling_tree": ...}}: trees tuned on one kind of device.
+# {platform: {"tree": ..., "sampling_tree": ..., "adaptive": ...}}: trees tuned on one kind of
+# device.
 DEVICE_TREES = "device_trees"
 # Drafters trained by the project, by target name and kind: drafters/<target>/<kind>/.
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "drafters")
@@ -58,6 +60,7 @@ def save_drafter(
     num_draft=cfg.num_draft,
     tree=cfg.tree,
     sampling_tree=cfg.sampling_tree,
+    adaptive=cfg.adaptive,
     target=dict(name=cfg.target_name, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size),
     layer={f: getattr(cfg, f) for f in _LAYER_FIELDS}
     | dict(rope_scaling=None if cfg.rope_scaling is None else vars(cfg.rope_scaling)),
@@ -113,11 +116,16 @@ def read_drafter_config(
     num_draft = int(config.get("num_draft", 1))
     device_trees = config.get(DEVICE_TREES, {})
     if not isinstance(device_trees, dict) or not all(
-      isinstance(e, dict) and set(e) <= {"tree", "sampling_tree"} for e in device_trees.values()
+      isinstance(e, dict) and set(e) <= {"tree", "sampling_tree", "adaptive"}
+      for e in device_trees.values()
     ):
-      raise ValueError(f"{DEVICE_TREES} must map a platform to its tree and sampling_tree")
+      raise ValueError(
+        f"{DEVICE_TREES} must map a platform to its tree, sampling_tree and adaptive"
+      )
     for platform_name, entry in device_trees.items():
       for name, spec in entry.items():
+        if name == "adaptive":
+          spec = f"adaptive:{spec}"
         try:
           tree_lib.parse(spec, num_draft)
         except ValueError as e:
@@ -129,6 +137,7 @@ def read_drafter_config(
       num_draft=num_draft,
       tree=str(trees.get("tree", config.get("tree", "chain"))),
       sampling_tree=str(trees.get("sampling_tree", config.get("sampling_tree", ""))),
+      adaptive=str(trees.get("adaptive", config.get("adaptive", ""))),
       max_ngram=int(config.get("max_ngram", 3)),
       draft_vocab_size=int(config.get("draft_vocab_size", 0)),
       rope_scaling=None if scaling is None else RopeScaling(**scaling),
@@ -212,8 +221,15 @@ def resolve_drafter(
   if method == "none":
     return None
   if method == "pld":
-    # Prompt lookup verifies its K tokens only in rounds that found a match (`tree.parse`).
-    cfg = DrafterConfig.for_target("pld", target.cfg, num_draft=num_draft, tree="lookup")
+    # Prompt lookup verifies its K tokens only in rounds that found a match (`tree.parse`);
+    # adaptive, also K more, or none, by how often its chains were accepted.
+    cfg = DrafterConfig.for_target(
+      "pld",
+      target.cfg,
+      num_draft=num_draft,
+      tree="lookup",
+      adaptive=f"lookup:{num_draft}|lookup:{2 * num_draft}",
+    )
     return Drafter(cfg=cfg, params={})
   if spec == "random":
     return random_drafter(method, target, jax.random.key(seed), num_draft=num_draft)

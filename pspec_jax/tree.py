@@ -31,6 +31,12 @@ drafted node is verified only if its draft confidence is at least P; a round in 
 sequence keeps one verifies without the drafted nodes. On a device where each verified node
 costs much (a CPU), rounds whose guesses are unlikely then cost little more than plain decoding.
 What the target verifies still decides every token, so decoding stays lossless.
+
+*Adaptive* (`adaptive:A|B|...`, or `adaptive` for `ADAPTIVE`'s default set): a small set of
+candidate trees, the root alone always among them (first); each round verifies the one that
+promises the most tokens per unit of cost (`pspec_jax.adaptive`). The parsed tree is the
+union of the candidates' drafted nodes and their longest lookup chain, with the candidates kept
+in `Tree.candidates`.
 """
 
 import dataclasses
@@ -59,12 +65,15 @@ class Tree:
     budget: 0 for a static tree; else the nodes (root included) kept per round from this pool.
     lookup: L, the most prompt-lookup nodes a round adds below the root (0: none).
     min_prob: drafted nodes of lower draft confidence are not verified (0: all are).
+    candidates: an adaptive tree's candidate trees (static, ungated), the root alone first;
+      `paths` and `lookup` are then their union. Empty for any other tree.
   """
 
   paths: tuple[Path, ...]
   budget: int = 0
   lookup: int = 0
   min_prob: float = 0.0
+  candidates: tuple["Tree", ...] = ()
 
   def __post_init__(self):
     paths = tuple(tuple(int(r) for r in p) for p in self.paths)
@@ -114,6 +123,8 @@ class Tree:
     """The explicit spelling `parse` reads back: `paths:0/0.0/1`."""
     if self.budget:
       raise ValueError("a dynamic tree has no explicit spelling; use its preset name")
+    if self.candidates:
+      return "adaptive:" + "|".join(c.spec for c in self.candidates[1:])
     lookup = f"+lookup:{self.lookup}" if self.lookup else ""
     if not self.paths:
       return lookup.removeprefix("+") if lookup else "paths:"
@@ -252,6 +263,30 @@ def chain(num_draft: int) -> Tree:
 
 
 ROOT_ONLY = Tree(paths=())
+# The candidates of `adaptive` where the drafter names none ({K}: the drafter's K).
+ADAPTIVE = "lookup:{K}|paths:0+lookup:{K}|paths:0/0.0+lookup:{K}"
+
+
+def adaptive(specs: list[str], num_draft: int) -> Tree:
+  """The adaptive tree of these candidates (and the root alone, always the first)."""
+  candidates = [ROOT_ONLY]
+  for spec in specs:
+    if spec.startswith("adaptive"):
+      raise ValueError(f"an adaptive tree's candidate cannot be adaptive, got {spec!r}")
+    tree = parse(spec, num_draft)
+    if tree.budget or tree.min_prob:
+      raise ValueError(
+        f"adaptive candidate {spec!r} must be a static tree without a gate (no dynamic:N, no "
+        "+min:P): the choice between candidates replaces both"
+      )
+    if tree not in candidates:
+      candidates.append(tree)
+  paths = {p for c in candidates for p in c.paths}
+  return Tree(
+    paths=tuple(paths),
+    lookup=max(c.lookup for c in candidates),
+    candidates=tuple(candidates),
+  )
 
 
 def _explicit(spec: str, num_draft: int) -> Tree:
@@ -278,6 +313,11 @@ def parse(spec: str, num_draft: int) -> Tree:
   """
   if num_draft < 1:
     raise ValueError(f"num_draft (K) must be >= 1, got {num_draft}")
+  if spec == "adaptive" or spec.startswith("adaptive:"):
+    specs = spec.removeprefix("adaptive").removeprefix(":").split("|")
+    if spec == "adaptive":  # the default set, less what K cannot draft
+      specs = [s for s in ADAPTIVE.format(K=num_draft).split("|") if s.count(".") < num_draft]
+    return adaptive([s for s in specs if s], num_draft)
   if spec == "lookup":  # no drafted nodes: a lookup chain of K
     return dataclasses.replace(ROOT_ONLY, lookup=num_draft)
   if spec.startswith("lookup:"):  # no drafted nodes: the lookup chain alone

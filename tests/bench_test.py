@@ -173,6 +173,26 @@ def test_rows_pool_tau_and_check_losslessness_only_when_greedy():
   assert bench._row(spec, records, None)["lossless"] is False
 
 
+def test_rows_and_report_count_how_often_each_adaptive_candidate_was_chosen():
+  target = make_target(5.0)
+  cfg = decode.DecodeConfig(max_new_tokens=12, tree="adaptive:paths:0|lookup:3")
+  run = bench.OurMethod(target, drafter_for("pspec", target), cfg, pad_id=0)
+  outcomes = [run([[5, 9, 2, 13, 7], [1, 2]], jax.random.key(0)), run([[6]], jax.random.key(1))]
+  assert list(outcomes[0].chosen) == ["paths:", "paths:0", "lookup:3"]
+  spec = bench.Setting("pspec", "mt_bench", 0.0, 2, 4, cfg.tree)
+  row = bench._row(spec, {spec: [(1.0, o) for o in outcomes]}, None)
+  total = {k: outcomes[0].chosen[k] + outcomes[1].chosen[k] for k in outcomes[0].chosen}
+  assert row["chosen"] == total
+  assert sum(total.values()) == sum(max(o.rounds) for o in outcomes)
+  assert (
+    bench._row(spec.baseline, {spec.baseline: [(1.0, bench.Outcome([[1]]))]}, None)["chosen"]
+    is None
+  )
+  row["chosen"] = {"paths:": 3, "paths:0": 1, "lookup:3": 0}
+  lines = bench._chosen_table([row])
+  assert lines[-1] == "| pspec | mt_bench | 0.0 | 2 | root alone: 75%, paths:0: 25%, lookup:3: 0% |"
+
+
 def test_report_and_plots_show_the_main_table_and_the_k_ablation(tmp_path):
   def row(method, k, speedup, tau):
     return dict(

@@ -208,6 +208,7 @@ def sample_many(target, drafter, prompt, cfg):
     ("pld", "chain"),
     ("pspec", "paths:0+lookup:3"),
     ("eagle", "sparse8+min:0.03+lookup:2"),  # depth-2 confidences spread around 0.03
+    ("pspec", "adaptive:paths:0/1|chain+lookup:2|lookup:3"),
   ],
 )
 def test_speculative_sampling_matches_the_target_distribution(kind, tree):

@@ -11,7 +11,15 @@ from pspec_jax import checkpoints, drafter_files, llama
 from pspec_jax.drafter import DrafterConfig
 
 # Settings of a drafter that its weights do not fix: a starting drafter may differ in them.
-_FREE_FIELDS = ("tree", "sampling_tree", "max_ngram", "dtype", "param_dtype", "weight_layout")
+_FREE_FIELDS = (
+  "tree",
+  "sampling_tree",
+  "adaptive",
+  "max_ngram",
+  "dtype",
+  "param_dtype",
+  "weight_layout",
+)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 

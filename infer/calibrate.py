@@ -1,0 +1,69 @@
+r"""Measure what a round with each candidate of an adaptive tree costs on this machine.
+
+  python -m infer.calibrate                           # the shipped drafters, batch size 1
+  python -m infer.calibrate --methods=pspec --batch_size=4
+  python -m infer.calibrate --methods=eagle --tree="adaptive:paths:0|chain+lookup:6"
+
+Decoding programs measure missing costs by themselves at their first adaptive decode; this one
+measures them again on demand (e.g. after a change to the machine), prints them with the times
+they come from, and stores them where decoding reads them (`infer.calibration`).
+"""
+
+from absl import flags
+
+from pspec_jax import cli
+
+FLAGS = flags.FLAGS
+
+
+def run():
+  import jax
+  import transformers
+
+  from infer import calibration
+  from pspec_jax import checkpoints, data, decode, drafter_files
+
+  if FLAGS.batch_size < 1:
+    raise ValueError(f"--batch_size must be >= 1, got {FLAGS.batch_size}")
+  transformers.logging.set_verbosity_error()
+  dtype = jax.numpy.dtype(FLAGS.dtype)
+  tokenizer = checkpoints.load_tokenizer(FLAGS.target)
+  # The first MT-Bench question is the context the rounds are timed at.
+  prompt = data.prompt_set("mt_bench", 1)[0]
+  ids = data.encode_prompt(tokenizer, prompt, tokenizer.chat_template is not None)
+  target = checkpoints.load_target(
+    FLAGS.target, dtype=dtype, param_dtype=dtype, scan_layers=False, untie_head=True
+  )
+  cfg = decode.DecodeConfig(tree=FLAGS.tree)
+  for method in FLAGS.methods:
+    drafter = drafter_files.resolve_drafter(method, FLAGS.drafter or None, target)
+    if drafter is None:
+      raise ValueError("--methods=none has no adaptive tree")
+    costs = calibration.costs_for(
+      target,
+      drafter,
+      cfg,
+      FLAGS.batch_size,
+      ids,
+      path=FLAGS.out or None,
+      log=print,
+      recalibrate=True,
+    )
+    print(f"{method}: DecodeConfig(tree={FLAGS.tree!r}, costs={costs})\n", flush=True)
+
+
+def define_flags():
+  """Defines the command line; only when run as a program, so the CLI modules import together."""
+  flags.DEFINE_string("target", "smollm2-135m-instruct", "Target name, HF directory, .gguf file.")
+  flags.DEFINE_enum(
+    "dtype", "float32", ["float32", "bfloat16"], "The target's weights and compute."
+  )
+  flags.DEFINE_list("methods", ["pld", "medusa", "eagle", "pspec"], "Drafting methods.")
+  flags.DEFINE_string("drafter", "", "Drafter directory (one method); default: the shipped one.")
+  flags.DEFINE_string("tree", "adaptive", "The adaptive tree: adaptive or adaptive:A|B|...")
+  flags.DEFINE_integer("batch_size", 1, "Sequences per round.")
+  flags.DEFINE_string("out", "", "Calibration file; default: under pspec_jax.cache_dir.")
+
+
+if __name__ == "__main__":
+  cli.run(run, define_flags, full_float32=True)

@@ -1,0 +1,214 @@
+"""What a round with each candidate of an adaptive tree costs on this machine, measured once.
+
+An adaptive tree (`pspec_jax.adaptive`) weighs each candidate's expected tokens against the cost
+of a round with it, relative to a plain round. The costs depend on the device, the target, its
+dtype and the batch size, so they are measured once per (device kind, target, dtype, batch) and
+kept in `pspec_jax.cache_dir("calibration")/round_costs.json`, one entry per candidate (its
+drafter kind, draft vocabulary and tree). A program that decodes with an adaptive tree
+(`infer.generate`, `infer.bench`) reads them from there, measuring what is missing at its
+first decode (seconds: a few jitted passes, compiled and timed); `python -m infer.calibrate`
+measures on demand. Every measurement is printed and stored with its raw times:
+
+  cost(c) = 1 + (verify(nodes of c) - verify(1) + draft(c) - feed) / (plain round + feed)
+
+where verify(n) is one target pass over n tree nodes, draft(c) the drafter's pass for c's
+nodes, feed the drafter taking in a round's pairs without drafting (what a round with the root
+alone adds to a plain one) and the plain round a whole auto-regressive round. Each candidate has
+two costs: without and with its prompt-lookup chain verified.
+
+A file that cannot be read as a calibration (corrupt, or of another version) is reported in one
+line and measured again; it never stops a decode.
+"""
+
+import dataclasses
+import json
+import os
+import statistics
+import sys
+
+import pspec_jax
+
+VERSION = 1
+FILE = "round_costs.json"
+
+
+def default_path() -> str:
+  return os.path.join(pspec_jax.cache_dir("calibration"), FILE)
+
+
+def machine_key(target, batch: int) -> str:
+  """The calibration's key: device kind, target, dtype, batch size."""
+  import jax
+  import numpy as np
+
+  device = jax.devices()[0]
+  dtype = np.dtype(target.cfg.dtype).name
+  return f"{device.platform}:{device.device_kind}|{target.cfg.name}|{dtype}|batch={batch}"
+
+
+def candidate_key(drafter, candidate) -> str:
+  """One candidate's entry: the drafter kind (and draft vocabulary) and the tree."""
+  c = drafter.cfg
+  vocab = f"/v{c.draft_vocab_size}" if c.draft_vocab_size else ""
+  return f"{c.kind}{vocab} {candidate.spec}"
+
+
+def load(path: str) -> dict:
+  """The calibrations stored at `path` ({} if there is no file). ValueError if it is corrupt."""
+  if not os.path.exists(path):
+    return {}
+  try:
+    with open(path) as fh:
+      data = json.load(fh)
+    if data.get("version") != VERSION or not isinstance(data.get("machines"), dict):
+      raise ValueError(f"not a version-{VERSION} calibration")
+    for machine in data["machines"].values():
+      for entry in machine.values():
+        costs = entry["costs"]
+        if len(costs) != 2 or not all(isinstance(x, float | int) and x > 0 for x in costs):
+          raise ValueError(f"bad costs {costs!r}")
+  except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    raise ValueError(f"calibration file {path} is corrupt ({e})") from None
+  return data["machines"]
+
+
+def save(path: str, machines: dict) -> None:
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w") as fh:
+    json.dump(dict(version=VERSION, machines=machines), fh, indent=2)
+  os.replace(tmp, path)  # whole or not at all
+
+
+def measure(target, drafter, pool, batch: int, ids: list[int], repeats: int = 15) -> dict:
+  """Raw times (ms, medians of `repeats`) and the costs of every candidate of `pool`.
+
+  Returns {candidate spec: {"costs": [without, with lookup], ...times}}.
+  """
+  import jax
+  import jax.numpy as jnp
+
+  from pspec_jax import adaptive, cli, data, decode
+  from pspec_jax import drafter as drafter_lib
+  from pspec_jax import tree as tree_lib
+
+  tokens, lengths = data.pad_batch([ids] * batch)
+  key = jax.random.key(0)
+  drafter = drafter.with_head(target)
+  base = decode.DecodeConfig(max_new_tokens=pool.max_depth + 8)
+
+  def median_ms(fn, *args):
+    jax.block_until_ready(fn(*args))  # compile
+    return 1e3 * statistics.median(cli.timed(fn, *args)[1] for _ in range(repeats))
+
+  init = jax.jit(decode.init, static_argnames="cfg")
+  plain_ms = median_ms(
+    jax.jit(decode.round_step, static_argnames="cfg"),
+    target,
+    init(target, tokens, lengths, key, base),
+    base,
+  )
+  # A verification pass over n nodes: a chain of n - 1 prompt-lookup drafts (no drafter pass).
+  verify = jax.jit(decode.verify, static_argnames="cfg")
+  pld = drafter_lib.Drafter(
+    cfg=drafter_lib.DrafterConfig.for_target("pld", target.cfg, num_draft=1), params={}
+  )
+  verify_ms = {}
+  for n in sorted({n for pair in adaptive.verified_nodes(pool) for n in pair}):
+    cfg = dataclasses.replace(base, tree="chain", num_draft=max(n - 1, 1))
+    d = pld if n > 1 else None
+    verify_ms[n] = median_ms(verify, target, init(target, tokens, lengths, key, cfg, d), cfg, d)
+  # The drafter's pass per candidate, on pairs as wide as a round of the union tree gives.
+  width = pool.max_depth + 1
+  pairs = drafter_lib.Pairs(
+    tokens=jnp.ones((batch, width), jnp.int32),
+    features=jnp.ones((batch, width, target.cfg.hidden_size), target.cfg.dtype),
+    count=jnp.ones((batch,), jnp.int32),
+  )
+  state = init(target, tokens, lengths, key, base, drafter)
+  feed = jax.jit(drafter_lib.feed)
+  feed_ms = median_ms(feed, drafter, target, state.drafter_cache, pairs)
+  propose = jax.jit(drafter_lib.propose, static_argnames="pool")
+  context = (state.tokens, state.num_tokens)
+  draft_ms = []
+  for cand in pool.candidates:
+    if not cand.paths:
+      draft_ms.append(feed_ms)
+      continue
+    drafted = tree_lib.Tree(paths=cand.paths)
+    draft_ms.append(
+      median_ms(propose, drafter, target, state.drafter_cache, pairs, context, drafted)
+    )
+  costs = adaptive.relative_costs(
+    pool, plain_ms + feed_ms, verify_ms, [ms - feed_ms for ms in draft_ms]
+  )
+  out = {}
+  for c, cand in enumerate(pool.candidates):
+    n0, n1 = adaptive.verified_nodes(pool)[c]
+    out[cand.spec] = dict(
+      costs=list(costs[c]),
+      plain_ms=plain_ms,
+      feed_ms=feed_ms,
+      draft_ms=draft_ms[c],
+      verify_ms=[verify_ms[n0], verify_ms[n1]],
+      verify_root_ms=verify_ms[1],
+      nodes=[n0, n1],
+    )
+  return out
+
+
+def explain(key: str, entries: dict[str, dict]) -> str:
+  """A table of the candidates' costs and the times they come from."""
+  lines = [
+    f"Round costs on {key} (a plain round is 1; from raw medians, ms):",
+    "| candidate | nodes | cost | cost with lookup | draft ms | verify ms | plain round ms |",
+    "|---|---|---|---|---|---|---|",
+  ]
+  for name, e in entries.items():
+    lines.append(
+      f"| {name} | {e['nodes'][0]}/{e['nodes'][1]} | {e['costs'][0]:.3f} | {e['costs'][1]:.3f} | "
+      f"{e['draft_ms']:.2f} | {e['verify_ms'][0]:.2f}/{e['verify_ms'][1]:.2f} | "
+      f"{e['plain_ms']:.2f} |"
+    )
+  return "\n".join(lines)
+
+
+def costs_for(
+  target,
+  drafter,
+  cfg,
+  batch: int,
+  ids: list[int],
+  *,
+  path: str | None = None,
+  log=None,
+  recalibrate: bool = False,
+) -> tuple[tuple[float, float], ...]:
+  """The candidate costs of `cfg`'s adaptive tree for `DecodeConfig.costs` (() for any other
+  tree): read from the calibration file, the missing ones measured (on prompt `ids`, `batch`
+  copies of it) and stored. `log` (default: stderr) gets every measured table and any problem
+  with the file; `recalibrate` measures every candidate again."""
+  from pspec_jax import decode
+
+  log = log or (lambda text: print(text, file=sys.stderr, flush=True))
+  pool = decode.pool_tree(cfg, drafter)
+  if not pool.candidates:
+    return ()
+  path = path or default_path()
+  try:
+    machines = load(path)
+  except ValueError as e:
+    log(f"{e}: measuring again")
+    machines = {}
+  key = machine_key(target, batch)
+  entries = machines.setdefault(key, {})
+  names = [candidate_key(drafter, c) for c in pool.candidates]
+  if recalibrate or any(n not in entries for n in names):
+    log(f"calibrating round costs for {pool.spec} on {key} ...")
+    measured = measure(target, drafter, pool, batch, ids)
+    fresh = {candidate_key(drafter, c): measured[c.spec] for c in pool.candidates}
+    entries.update(fresh)
+    log(explain(key, fresh))
+    save(path, machines)
+    log(f"stored in {path}")
+  return tuple(tuple(entries[n]["costs"]) for n in names)

@@ -1,0 +1,260 @@
+"""Adaptive rounds: each round verifies the candidate tree that promises the most tokens per unit
+of this machine's cost (DESIGN.md section 3, "Adaptive rounds").
+
+DISCO (Mamou et al.) decides per round whether to draft further; DiffuSpec's adaptive draft
+length sets the next proposal's size from recent acceptance. Here the decision also weighs what
+each candidate costs on the device: a round with candidate c is expected to yield
+
+  tokens(c) = 1 + sum of a(u) over c's drafted nodes u + sum of l(j) over c's lookup nodes j
+
+where a(u) is a running estimate of how often drafted node u (a rank path) ends up on the
+accepted path, and l(j) the same for the j-th node of the prompt-lookup chain, in rounds where
+the context repeats (a lookup exists) and the candidate has a chain. The loop verifies the
+candidate with the largest tokens(c) / cost(c), summed over the active sequences of the batch
+(one tree serves the batch); cost(c) is a round with c relative to a plain round (the root
+alone, cost 1), measured once per machine (`infer.calibration`) and passed in as
+`DecodeConfig.costs`. Ties go to the root alone, so speculation runs only where it is expected
+to pay.
+
+The estimates are exponential moving averages over rounds in which the node was verified
+(`DECAY` per round). A node left out of a round drifts back toward its prior (`DRIFT` per round),
+so a candidate dropped after a run of misses is tried again some rounds later and kept if its
+drafts are accepted once more. Drafted nodes keep two estimates: for rounds with and without a
+lookup chain verified next to them (a lookup chain is tried first, so it takes the drafted
+nodes' easy tokens).
+
+Lossless: the choice depends on tokens already emitted and on no draw of the round it picks, and
+every tree is verified and accepted as a fixed one would be.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from pspec_jax import tree as tree_lib
+
+__all__ = [
+  "DECAY",
+  "DRIFT",
+  "Stats",
+  "branch_nodes",
+  "check_costs",
+  "choose",
+  "default_costs",
+  "expected_tokens",
+  "init_stats",
+  "observe",
+  "relative_costs",
+  "restrict",
+  "verified_nodes",
+]
+
+DECAY = 0.3  # weight of the newest verified round in a node's estimate
+DRIFT = 0.03  # per round, how far an unverified node's estimate moves back toward its prior
+LOOKUP_PRIOR = 0.6  # prior of lookup node j: LOOKUP_PRIOR ** (j + 1)
+# The cost model of `default_costs` (no calibration): a plain round is 1.
+DEFAULT_NODE_COST = 0.1  # each verified node past the root
+DEFAULT_DRAFT_COST = 0.1  # a draft pass (eagle: per level)
+
+
+@struct.dataclass
+class Stats:
+  """The loop's running acceptance statistics and the candidate it picked."""
+
+  choice: jax.Array  # [] int32: the candidate drafted for (and verified in) the next round
+  drafted: jax.Array  # [B, 2, Md - 1] a(u) for the drafted non-root nodes, without / with lookup
+  lookup: jax.Array  # [B, L] l(j)
+  chosen: jax.Array  # [C] int32 rounds verified with each candidate
+
+
+def _members(pool: tree_lib.Tree) -> np.ndarray:
+  """[C, Md - 1] bool: which drafted non-root nodes of the union each candidate has."""
+  index = {p: i for i, p in enumerate(pool.paths)}
+  out = np.zeros((len(pool.candidates), len(pool.paths)), bool)
+  for c, cand in enumerate(pool.candidates):
+    out[c, [index[p] for p in cand.paths]] = True
+  return out
+
+
+def _lookups(pool: tree_lib.Tree) -> np.ndarray:
+  """[C] int32: each candidate's lookup chain length."""
+  return np.asarray([c.lookup for c in pool.candidates], np.int32)
+
+
+def _priors(pool: tree_lib.Tree) -> tuple[np.ndarray, np.ndarray]:
+  drafted = np.asarray(
+    [
+      math.prod(tree_lib.RANK_PRIOR[min(r, len(tree_lib.RANK_PRIOR) - 1)] for r in p)
+      for p in pool.paths
+    ],
+    np.float32,
+  )
+  lookup = LOOKUP_PRIOR ** np.arange(1, pool.lookup + 1, dtype=np.float32)
+  return drafted, lookup
+
+
+def init_stats(pool: tree_lib.Tree, batch: int) -> Stats:
+  """Every estimate at its prior; the root alone chosen."""
+  drafted, lookup = _priors(pool)
+  return Stats(
+    choice=jnp.zeros((), jnp.int32),
+    drafted=jnp.broadcast_to(jnp.asarray(drafted), (batch, 2, len(drafted))),
+    lookup=jnp.broadcast_to(jnp.asarray(lookup), (batch, len(lookup))),
+    chosen=jnp.zeros((len(pool.candidates),), jnp.int32),
+  )
+
+
+def verified_nodes(pool: tree_lib.Tree) -> list[tuple[int, int]]:
+  """Per candidate, the nodes a round verifies without and with its lookup chain."""
+  return [(c.num_nodes, c.num_nodes + c.lookup) for c in pool.candidates]
+
+
+def branch_nodes(pool: tree_lib.Tree) -> list[tuple[int, ...]]:
+  """The union's node indices each (candidate c, lookup runs) pass covers, at index 2c + runs:
+  the candidate's drafted nodes (root included), then its lookup chain (after the drafted
+  union's nodes, as `tree.with_lookup` places it)."""
+  members = _members(pool)
+  drafted = pool.num_nodes
+  out = []
+  for c, cand in enumerate(pool.candidates):
+    nodes = (0, *(1 + np.nonzero(members[c])[0]).tolist())
+    out += [nodes, nodes + tuple(range(drafted, drafted + cand.lookup))]
+  return out
+
+
+def restrict(tree: tree_lib.TreeArrays, pool: tree_lib.Tree, choice: jax.Array):
+  """The batched union tree cut to candidate `choice`'s drafted nodes (no parent links to the
+  others), and [L] which lookup nodes it may add."""
+  members = jnp.asarray(
+    np.concatenate([np.ones((len(pool.candidates), 1), bool), _members(pool)], 1)
+  )
+  keep_M = members[choice]
+  kids = tree.children
+  kept = (kids >= 0) & keep_M[jnp.maximum(kids, 0)]
+  lookup_L = jnp.arange(pool.lookup) < jnp.asarray(_lookups(pool))[choice]
+  return tree.replace(children=jnp.where(kept, kids, -1)), lookup_L
+
+
+def expected_tokens(stats: Stats, pool: tree_lib.Tree, found_B: jax.Array) -> jax.Array:
+  """[B, C] expected tokens of a round with each candidate; `found_B`: a lookup exists."""
+  members = jnp.asarray(_members(pool))  # [C, U]
+  lengths = jnp.asarray(_lookups(pool))
+  runs_BC = found_B[:, None] & (lengths > 0)[None, :]
+  # Masked sums, not matmuls: exact whatever the matmul precision.
+  drafted_BC2 = jnp.where(members[None, :, None, :], stats.drafted[:, None], 0.0).sum(-1)
+  drafted_BC = jnp.where(runs_BC, drafted_BC2[..., 1], drafted_BC2[..., 0])
+  in_chain_CL = jnp.arange(pool.lookup)[None, :] < lengths[:, None]
+  lookup_BC = jnp.where(in_chain_CL[None], stats.lookup[:, None, :], 0.0).sum(-1)
+  return 1.0 + drafted_BC + jnp.where(runs_BC, lookup_BC, 0.0)
+
+
+def choose(
+  stats: Stats,
+  pool: tree_lib.Tree,
+  costs: tuple[tuple[float, float], ...],
+  found_B: jax.Array,
+  active_B: jax.Array,
+) -> jax.Array:
+  """[] the candidate of most expected tokens per cost over the active sequences (the first,
+  the root alone, on ties and when none is active)."""
+  tokens_C = jnp.where(active_B[:, None], expected_tokens(stats, pool, found_B), 0.0).sum(0)
+  lengths = jnp.asarray(_lookups(pool))
+  lookup_runs = jnp.any(active_B & found_B) & (lengths > 0)
+  table = jnp.asarray(costs, jnp.float32)
+  cost_C = jnp.where(lookup_runs, table[:, 1], table[:, 0])
+  return jnp.argmax(tokens_C / cost_C).astype(jnp.int32)
+
+
+def _reachable(tree: tree_lib.TreeArrays, depth: int) -> jax.Array:
+  """[B, M] which nodes the (cut) tree links to from its root."""
+  kids = tree.children  # [B, M, C]
+  batch, m = kids.shape[:2]
+  reach = jnp.zeros((batch, m), jnp.bool_).at[:, 0].set(True)
+  is_node = kids[..., None] == jnp.arange(m)  # [B, M, C, M]
+  for _ in range(depth):
+    reach = reach | jnp.any(is_node & reach[:, :, None, None], axis=(1, 2))
+  return reach
+
+
+def observe(
+  stats: Stats,
+  pool: tree_lib.Tree,
+  tree: tree_lib.TreeArrays,
+  path_BP1: jax.Array,
+  num_accepted_B: jax.Array,
+  active_B: jax.Array,
+) -> Stats:
+  """The estimates after a round that verified `tree` and accepted `path` (active sequences)."""
+  m = tree.children.shape[1]
+  reach = _reachable(tree, pool.max_depth)
+  depth = path_BP1.shape[1] - 1
+  on_path = jnp.any(
+    (path_BP1[:, 1:, None] == jnp.arange(m))
+    & (jnp.arange(depth)[None, :, None] < num_accepted_B[:, None, None]),
+    axis=1,
+  )
+  drafted = pool.num_nodes
+  prior_u, prior_j = _priors(pool)
+  with_lookup = jnp.any(reach[:, drafted:], axis=1)
+  table_B2 = jnp.stack([~with_lookup, with_lookup], axis=1)
+  seen = reach[:, None, 1:drafted] & table_B2[:, :, None]
+
+  def update(old, seen, hit, prior):
+    target = jnp.where(seen, hit.astype(jnp.float32), prior)
+    rate = jnp.where(seen, DECAY, DRIFT)
+    active = active_B.reshape(active_B.shape + (1,) * (old.ndim - 1))
+    return jnp.where(active, old + rate * (target - old), old)
+
+  any_active = jnp.any(active_B).astype(jnp.int32)
+  return stats.replace(
+    drafted=update(stats.drafted, seen, on_path[:, None, 1:drafted], prior_u),
+    lookup=update(stats.lookup, reach[:, drafted:], on_path[:, drafted:], prior_j),
+    chosen=stats.chosen.at[stats.choice].add(any_active),
+  )
+
+
+def default_costs(pool: tree_lib.Tree, kind: str) -> tuple[tuple[float, float], ...]:
+  """An uncalibrated guess of each candidate's cost (a plain round is 1): `DEFAULT_NODE_COST`
+  per verified node past the root and `DEFAULT_DRAFT_COST` per draft pass (eagle drafts one
+  pass per level). `infer.calibration` measures the real ones."""
+  out = []
+  for cand, (n0, n1) in zip(pool.candidates, verified_nodes(pool), strict=True):
+    passes = cand.depth if kind == "eagle" else min(cand.depth, 1)
+    draft = 0.0 if kind == "pld" else DEFAULT_DRAFT_COST * passes
+    out.append(tuple(1.0 + draft + DEFAULT_NODE_COST * (n - 1) for n in (n0, n1)))
+  return tuple(out)
+
+
+def relative_costs(
+  pool: tree_lib.Tree, plain_ms: float, verify_ms: dict[int, float], draft_ms: list[float]
+) -> tuple[tuple[float, float], ...]:
+  """Each candidate's cost from measured times: a plain round, plus the verification of its
+  nodes beyond the root's, plus its draft pass, over the plain round; never below 1 (the root
+  alone is 1 and wins ties).
+
+  Args:
+    pool: the adaptive tree.
+    plain_ms: a plain (root alone) round.
+    verify_ms: a verification pass per node count, 1 included.
+    draft_ms: each candidate's draft pass (0 for the root alone).
+  """
+  out = []
+  for c, (n0, n1) in enumerate(verified_nodes(pool)):
+    extra = [verify_ms[n] - verify_ms[1] + draft_ms[c] for n in (n0, n1)]
+    out.append(tuple(1.0 if c == 0 else max(1.0, 1.0 + e / plain_ms) for e in extra))
+  return tuple(out)
+
+
+def check_costs(pool: tree_lib.Tree, costs) -> None:
+  """One clear ValueError unless `costs` has a (without, with lookup) pair > 0 per candidate."""
+  ok = len(costs) == len(pool.candidates) and all(
+    len(pair) == 2 and all(isinstance(x, float | int) and x > 0 for x in pair) for pair in costs
+  )
+  if not ok:
+    raise ValueError(
+      f"DecodeConfig.costs must give {len(pool.candidates)} (without, with lookup) cost pairs > "
+      f"0, one per candidate of {pool.spec!r} (the root alone first), got {costs!r}"
+    )

@@ -1,0 +1,201 @@
+"""Adaptive rounds: lossless for every drafter kind, and the choice on fake costs and histories."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny_models import PROMPTS, drafter_for, make_target, padded
+
+from pspec_jax import adaptive, decode
+from pspec_jax import tree as tree_lib
+
+KINDS = ("pspec", "eagle", "medusa", "pld")
+TREES = ("adaptive", "adaptive:paths:0/1|chain+lookup:3|lookup:2")
+
+
+@pytest.fixture(scope="module")
+def target():
+  return make_target(5.0)
+
+
+def eos_mid_round(target):
+  """An EOS id that a plain decode of PROMPTS emits mid-answer (rounds accept past it)."""
+  tokens, lengths = padded(PROMPTS)
+  plain = decode.generate(
+    target, tokens, lengths, jax.random.key(0), decode.DecodeConfig(max_new_tokens=30)
+  )
+  return int(plain.tokens[0, 9])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+  "tree,rows", [(TREES[0], slice(0, 4)), (TREES[1], slice(0, 4)), (TREES[1], slice(2, 3))]
+)
+def test_adaptive_greedy_equals_plain_greedy(target, kind, tree, rows):
+  tokens, lengths = padded(PROMPTS[rows])
+  cfg = decode.DecodeConfig(max_new_tokens=30, eos_ids=(eos_mid_round(target),), tree=tree)
+  plain = decode.generate(target, tokens, lengths, jax.random.key(0), cfg)
+  spec = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter_for(kind, target))
+  assert spec.tokens.tolist() == plain.tokens.tolist()
+  assert spec.lengths.tolist() == plain.lengths.tolist()
+  np.testing.assert_allclose(spec.tau * spec.rounds, spec.lengths - 1, rtol=1e-6)
+  # One choice per round of the batch, and rounds that drafted did so.
+  assert int(spec.chosen.sum()) == int(spec.rounds.max())
+  assert spec.chosen[1:].sum() > 0 and (spec.tau > 1).any()
+
+
+def test_a_candidate_that_costs_too_much_is_never_chosen(target):
+  tokens, lengths = padded(PROMPTS)
+  tree = "adaptive:chain|lookup:3"
+  drafter = drafter_for("pspec", target)
+  # Candidates: the root alone, chain, lookup:3; the chain costs as much as 6 plain rounds,
+  # more than its 5 tokens at best.
+  cfg = decode.DecodeConfig(max_new_tokens=30, tree=tree, costs=((1, 1), (6, 6), (1.2, 1.3)))
+  out = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter)
+  assert out.chosen.tolist()[1] == 0 and out.chosen[2] > 0
+  # Every candidate at cost 1 ties the root alone at worst: drafting is chosen.
+  cheap = decode.DecodeConfig(max_new_tokens=30, tree=tree, costs=((1, 1),) * 3)
+  assert decode.generate(target, tokens, lengths, jax.random.key(0), cheap, drafter).chosen[1] > 0
+
+
+def test_bad_costs_are_one_clear_error(target):
+  tokens, lengths = padded(PROMPTS)
+  cfg = decode.DecodeConfig(tree="adaptive:chain", costs=((1, 1),))
+  with pytest.raises(ValueError, match="costs must give 2"):
+    decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter_for("pld", target))
+  with pytest.raises(ValueError, match="costs must be"):
+    decode.DecodeConfig(costs=(1.0,))
+
+
+# --- the choice on fake costs and acceptance histories ----------------------------------------
+
+POOL = tree_lib.parse("adaptive:paths:0|chain", 4)  # the root alone, (0,), the chain of 4
+COSTS = ((1.0, 1.0), (1.4, 1.4), (1.9, 1.9))
+
+
+def fake_round(stats, hits: bool, active=(True,)):
+  """A round with the chosen candidate in which every verified draft is accepted (`hits`) or
+  none is; returns the stats after it."""
+  batch = len(active)
+  tree, _ = adaptive.restrict(tree_lib.batched(POOL, batch), POOL, stats.choice)
+  chosen = POOL.candidates[int(stats.choice)]
+  index = {p: i + 1 for i, p in enumerate(POOL.paths)}
+  accepted = chosen.depth if hits else 0
+  path = [0] + [index[(0,) * d] for d in range(1, accepted + 1)]
+  path += [path[-1]] * (POOL.max_depth + 1 - len(path))
+  path_BP1 = jnp.asarray([path] * batch, jnp.int32)
+  return adaptive.observe(
+    stats, POOL, tree, path_BP1, jnp.full((batch,), accepted), jnp.asarray(active)
+  )
+
+
+def next_choice(stats, active=(True,)):
+  found = jnp.zeros((len(active),), jnp.bool_)
+  return stats.replace(choice=adaptive.choose(stats, POOL, COSTS, found, jnp.asarray(active)))
+
+
+def test_drafts_stop_when_rejected_and_resume_when_accepted_again():
+  stats = next_choice(adaptive.init_stats(POOL, 1))
+  assert int(stats.choice) > 0  # the priors promise more than the costs
+  # Every draft rejected: the root alone within a few rounds.
+  rounds = 0
+  while int(stats.choice) > 0 and rounds < 10:
+    stats = next_choice(fake_round(stats, hits=False))
+    rounds += 1
+  assert int(stats.choice) == 0 and rounds <= 4
+  # Nothing drafted for a while: the estimates drift back until a candidate is tried again ...
+  waited = 0
+  while int(stats.choice) == 0 and waited < 200:
+    stats = next_choice(fake_round(stats, hits=True))  # the root alone verifies no draft
+    waited += 1
+  assert int(stats.choice) > 0 and waited > 5
+  # ... and, accepted again, drafting goes on (up to the whole chain).
+  choices = []
+  for _ in range(10):
+    stats = next_choice(fake_round(stats, hits=True))
+    choices.append(int(stats.choice))
+  assert all(c > 0 for c in choices) and choices[-1] == 2
+  assert stats.chosen.tolist()[0] > 0 and sum(stats.chosen.tolist()) == rounds + waited + 10
+
+
+def test_the_choice_weighs_tokens_against_costs():
+  stats = adaptive.init_stats(POOL, 2)
+  # a(0,) = 0.5 and a(0,0) = 0.4, deeper 0: (0,) gives 1.5 tokens for 1.4, the chain 1.9 for 1.9.
+  rates = jnp.asarray([0.5, 0.4, 0.0, 0.0])
+  stats = stats.replace(drafted=jnp.broadcast_to(rates, stats.drafted.shape))
+  found, both = jnp.zeros((2,), jnp.bool_), jnp.asarray([True, True])
+  tokens = adaptive.expected_tokens(stats, POOL, found)
+  np.testing.assert_allclose(tokens, [[1, 1.5, 1.9]] * 2, rtol=1e-6)
+  assert int(adaptive.choose(stats, POOL, COSTS, found, both)) == 1
+  # Costs that make (0,) lose: the root alone, even though (0,) is accepted half the time.
+  costly = ((1.0, 1.0), (1.6, 1.6), (2.5, 2.5))
+  assert int(adaptive.choose(stats, POOL, costly, found, both)) == 0
+  # Finished sequences do not count: one sure sequence left decides the batch alone.
+  sure = stats.drafted.at[1].set(1.0)
+  stats = stats.replace(drafted=sure)
+  assert int(adaptive.choose(stats, POOL, costly, found, jnp.asarray([False, True]))) == 2
+  assert int(adaptive.choose(stats, POOL, costly, found, jnp.asarray([False, False]))) == 0
+
+
+def test_a_lookup_match_makes_the_lookup_candidates_pay():
+  pool = tree_lib.parse("adaptive:paths:0|lookup:3", 4)
+  costs = ((1.0, 1.0), (1.4, 1.4), (1.0, 1.3))
+  stats = adaptive.init_stats(pool, 1)
+  stats = stats.replace(drafted=jnp.full_like(stats.drafted, 0.3))
+  active = jnp.asarray([True])
+  assert int(adaptive.choose(stats, pool, costs, jnp.asarray([False]), active)) == 0
+  assert int(adaptive.choose(stats, pool, costs, jnp.asarray([True]), active)) == 2
+
+
+# --- spelling: trees and drafter files ---------------------------------------------------------
+
+
+def test_an_adaptive_tree_is_the_union_of_its_candidates_and_the_root_alone():
+  pool = tree_lib.parse("adaptive:paths:0/1|chain+lookup:3|lookup:2", 4)
+  assert [c.spec for c in pool.candidates] == [
+    "paths:",
+    "paths:0/1",
+    "paths:0/0.0/0.0.0/0.0.0.0+lookup:3",
+    "lookup:2",
+  ]
+  assert pool.paths == ((0,), (1,), (0, 0), (0, 0, 0), (0, 0, 0, 0)) and pool.lookup == 3
+  assert tree_lib.parse(pool.spec, 4) == pool
+  assert adaptive.branch_nodes(pool)[2:4] == [(0, 1, 2), (0, 1, 2)]  # paths:0/1, no lookup
+  assert adaptive.branch_nodes(pool)[2 * 3 + 1] == (0, 6, 7)  # lookup:2 found: the root, 2 more
+  # The default set, less what K allows.
+  assert tree_lib.parse("adaptive", 1).spec == "adaptive:lookup:1|paths:0+lookup:1"
+  for bad, message in [
+    ("adaptive:dynamic:4", "static tree without a gate"),
+    ("adaptive:paths:0+min:0.2", "static tree without a gate"),
+    ("adaptive:adaptive", "cannot be adaptive"),
+    ("adaptive:paths:0/0.0/0.0.0", "deeper than K=2"),
+  ]:
+    with pytest.raises(ValueError, match=message):
+      tree_lib.parse(bad, 2)
+
+
+def test_a_drafter_file_keeps_its_adaptive_candidates(target, tmp_path):
+  from pspec_jax import drafter_files
+
+  drafter = drafter_for("medusa", target)
+  drafter = drafter.replace(cfg=drafter.cfg.replace(tree="adaptive", adaptive="paths:0|lookup:3"))
+  drafter_files.save_drafter(str(tmp_path), drafter)
+  loaded = drafter_files.load_drafter(str(tmp_path), target)
+  assert loaded.cfg.adaptive == "paths:0|lookup:3"
+  pool = decode.pool_tree(decode.DecodeConfig(), loaded)
+  assert [c.spec for c in pool.candidates] == ["paths:", "paths:0", "lookup:3"]
+  with pytest.raises(ValueError, match="unknown tree 'bushy'"):
+    drafter.cfg.replace(adaptive="bushy")
+
+
+def test_stream_equals_generate_with_an_adaptive_tree(target):
+  tokens, lengths = padded(PROMPTS)
+  cfg = decode.DecodeConfig(max_new_tokens=20, eos_ids=(3,), tree=TREES[1])
+  drafter = drafter_for("eagle", target)
+  out = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter)
+  pieces = [[] for _ in PROMPTS]
+  for new in decode.stream(target, tokens, lengths, jax.random.key(0), cfg, drafter):
+    for row, ids in enumerate(new):
+      pieces[row].extend(ids.tolist())
+  for row in range(len(PROMPTS)):
+    assert pieces[row] == out.tokens[row, : out.lengths[row]].tolist()

@@ -1,0 +1,112 @@
+"""Round-cost calibration: once per device, target, dtype and batch; stored and read back."""
+
+import json
+import types
+
+import jax
+import pytest
+
+from infer import calibration
+from pspec_jax import decode, llama
+from tests.tiny_models import TINY, drafter_for, make_target
+
+TREE = "adaptive:paths:0|lookup:3"
+PROMPT = [5, 9, 2, 13, 7]
+
+
+@pytest.fixture(scope="module")
+def target():
+  return make_target(5.0)
+
+
+@pytest.fixture
+def fake_measure(monkeypatch):
+  """calibration.measure counting its calls, with made-up times."""
+  calls = []
+
+  def measure(target, drafter, pool, batch, ids, repeats=15):
+    calls.append((target.cfg.name, batch))
+    return {
+      c.spec: dict(
+        costs=[1.0 + 0.1 * (c.num_nodes - 1), 1.0 + 0.1 * (c.num_nodes + c.lookup - 1)],
+        plain_ms=10.0,
+        feed_ms=0.1,
+        draft_ms=1.0,
+        verify_ms=[10.0, 12.0],
+        verify_root_ms=9.0,
+        nodes=[c.num_nodes, c.num_nodes + c.lookup],
+      )
+      for c in pool.candidates
+    }
+
+  monkeypatch.setattr(calibration, "measure", measure)
+  return calls
+
+
+def costs(target, tmp_path, batch=1, logs=None, tree=TREE, kind="pspec"):
+  log = (logs if logs is not None else []).append
+  cfg = decode.DecodeConfig(tree=tree)
+  drafter = drafter_for(kind, target)
+  path = str(tmp_path / "costs.json")
+  return calibration.costs_for(target, drafter, cfg, batch, PROMPT, path=path, log=log)
+
+
+def test_costs_are_measured_once_stored_and_read_back(target, tmp_path, fake_measure):
+  logs = []
+  first = costs(target, tmp_path, logs=logs)
+  assert first == ((1.0, 1.0), (1.1, 1.1), (1.0, 1.3)) and len(fake_measure) == 1
+  assert any("| pspec lookup:3 | 1/4 | 1.000 | 1.300 |" in line for line in logs)  # explained
+  stored = json.loads((tmp_path / "costs.json").read_text())
+  (key,) = stored["machines"]
+  assert key == f"cpu:{jax.devices()[0].device_kind}|tiny|float32|batch=1"
+  assert set(stored["machines"][key]) == {"pspec paths:", "pspec paths:0", "pspec lookup:3"}
+  assert costs(target, tmp_path) == first and len(fake_measure) == 1  # read back
+  # Another drafter kind shares the file, under its own entries.
+  costs(target, tmp_path, kind="medusa")
+  assert len(fake_measure) == 2
+
+
+def test_costs_are_measured_again_when_the_machine_key_changes(
+  target, tmp_path, fake_measure, monkeypatch
+):
+  costs(target, tmp_path)
+  costs(target, tmp_path, batch=4)  # batch
+  other = make_target(5.0, cfg=TINY.replace(name="tiny-2"))
+  costs(other, tmp_path)  # target
+  bf16 = llama.Target(cfg=target.cfg.replace(dtype=jax.numpy.bfloat16), params=target.params)
+  costs(bf16, tmp_path)  # dtype
+  assert len(fake_measure) == 4
+  device = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
+  monkeypatch.setattr(jax, "devices", lambda: [device])
+  costs(target, tmp_path)  # device
+  assert len(fake_measure) == 5
+  machines = json.loads((tmp_path / "costs.json").read_text())["machines"]
+  assert len(machines) == 5 and any(k.startswith("gpu:NVIDIA H100") for k in machines)
+
+
+@pytest.mark.parametrize(
+  "content", ["{not json", '{"version": 1, "machines": {"k": {"c": {"costs": [1.0]}}}}', "[]"]
+)
+def test_a_corrupt_file_is_reported_and_measured_again(target, tmp_path, fake_measure, content):
+  (tmp_path / "costs.json").write_text(content)
+  logs = []
+  assert costs(target, tmp_path, logs=logs)[0] == (1.0, 1.0)
+  assert any(f"calibration file {tmp_path / 'costs.json'} is corrupt" in x for x in logs)
+  assert any("measuring again" in x for x in logs) and len(fake_measure) == 1
+  assert calibration.load(str(tmp_path / "costs.json"))  # rewritten whole
+
+
+def test_a_fixed_tree_needs_no_calibration(target, tmp_path, fake_measure):
+  assert costs(target, tmp_path, tree="paths:0+lookup:3") == ()
+  assert not fake_measure and not (tmp_path / "costs.json").exists()
+
+
+def test_measured_costs_are_relative_to_a_plain_round(target):
+  pool = decode.pool_tree(decode.DecodeConfig(tree=TREE), drafter_for("pspec", target))
+  measured = calibration.measure(target, drafter_for("pspec", target), pool, 2, PROMPT, repeats=3)
+  assert list(measured) == [c.spec for c in pool.candidates]
+  assert measured["paths:"]["costs"] == [1.0, 1.0]
+  for entry in measured.values():
+    assert all(c >= 1.0 for c in entry["costs"]) and entry["plain_ms"] > 0
+  assert measured["lookup:3"]["nodes"] == [1, 4]
+  assert measured["paths:0"]["nodes"] == [2, 2]
