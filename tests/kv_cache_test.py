@@ -219,6 +219,7 @@ def commit_inputs():
     drafter_cache=None,
     node_tokens=jnp.zeros((batch, m), jnp.int32),
     node_logp=jnp.zeros((batch, m), jnp.float32),
+    draft_logq=jnp.zeros((batch, 1, 1), jnp.float32),
   )
   kv_shape = (L, batch, m, KH, H)
   verified = decode.Verified(
