@@ -449,13 +449,18 @@ def commit(
   A sequence keeps the accepted drafts and the bonus, cut after its first EOS and at its token
   budget; finished sequences idle (nothing written, counters unchanged).
   """
+  return _commit_path(state, verified, cfg, drafter, accept_path(state, verified, cfg, drafter))
+
+
+def _commit_path(state, verified, cfg, drafter, accepted) -> tuple[DecodeState, Pairs]:
+  """`commit` of an accepted (path, num_accepted, bonus) that `accept_path` gave."""
+  path, num_accepted, bonus = accepted
   depth = pool_tree(cfg, drafter).max_depth
   batch, total = state.tokens.shape
   rows = jnp.arange(batch)
   active = ~state.done
   n = state.cache.lengths
   step = state.step + 1
-  path, num_accepted, bonus = accept_path(state, verified, cfg, drafter)
   # New tokens x_{n+2}..: the accepted drafts below the root, then the bonus.
   drafts = take_rows(verified.node_tokens, path)[:, 1:]
   new = jnp.concatenate([drafts, jnp.zeros((batch, 1), jnp.int32)], axis=1)
@@ -557,11 +562,11 @@ def round_step(
 ) -> DecodeState:
   """One round: verify the drafted tree, accept and commit, draft the next tree."""
   verified = verify(target, state, cfg, drafter)
+  accepted = accept_path(state, verified, cfg, drafter)
   before = state
-  state, pairs = commit(state, verified, cfg, drafter)
+  state, pairs = _commit_path(state, verified, cfg, drafter, accepted)
   if state.adapt is not None:
-    # The same accepted path `commit` took (same inputs and key: XLA computes it once).
-    path, num_accepted, _ = accept_path(before, verified, cfg, drafter)
+    path, num_accepted, _ = accepted
     pool = pool_tree(cfg, drafter)
     stats = adaptive.observe(before.adapt, pool, verified.tree, path, num_accepted, ~before.done)
     state = state.replace(adapt=stats)
