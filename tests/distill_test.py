@@ -169,7 +169,7 @@ def test_resume_falls_back_past_a_damaged_checkpoint(uninterrupted, tmp_path, ho
   reason = "does not read back" if how == "truncated" else "not valid JSON"
   assert skipped.startswith("skipped the damaged checkpoint at step 6: ") and reason in skipped
   assert "resumed from step 4 (data position 8)" in result.stdout
-  assert "Traceback" not in result.stderr
+  assert "Traceback" not in result.stderr, result.stderr
   assert sorted(os.listdir(workdir / "checkpoints")) == ["4", "6"]
   assert os.listdir(workdir / "checkpoints_damaged") == ["6"]  # kept for a look, out of the way
   lines = _train_lines(workdir)

@@ -10,6 +10,7 @@ saves those steps again. When none restores, nothing is moved and the run stops.
 
 import dataclasses
 import shutil
+import sys
 
 __all__ = ["Restored", "restore_newest", "set_aside"]
 
@@ -36,6 +37,38 @@ def _reason(error: Exception) -> str:
     return f"a metadata file is not valid JSON ({error})"
   lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
   return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def _silence_abandoned_orbax_reads() -> None:
+  """A restore that fails part-way leaves orbax's other reads behind. They fail again later,
+  in orbax's event-loop thread, and each prints a TensorStore spec hundreds of lines long:
+  coroutines "ignored" when collected, tasks whose "exception was never retrieved", callbacks
+  onto the closed loop. The failure itself is reported in one line (`_reason`), so for the
+  rest of the process those echoes are dropped; every other error still prints."""
+  import logging
+  import traceback
+
+  previous = sys.unraisablehook
+  if getattr(previous, "drops_orbax_echoes", False):
+    return
+
+  def from_orbax(text: str) -> bool:
+    return "orbax" in text or "Event loop is closed" in text
+
+  def hook(unraisable):
+    code = getattr(unraisable.object, "cr_code", None)
+    where = code.co_filename if code else ""
+    text = "".join(traceback.format_exception(unraisable.exc_value))
+    if not from_orbax(where + text):
+      previous(unraisable)
+
+  def keep(record: logging.LogRecord) -> bool:
+    message = record.getMessage()  # names the task's coroutine and where it is defined
+    return not (message.startswith("Task exception was never retrieved") and from_orbax(message))
+
+  hook.drops_orbax_echoes = True
+  sys.unraisablehook = hook
+  logging.getLogger("asyncio").addFilter(keep)
 
 
 def set_aside(manager, step: int, main: bool = True) -> None:
@@ -90,6 +123,7 @@ def restore_newest(manager, abstract_state, *, main: bool = True) -> Restored:
       if not bool(jax.device_get(step_lib.all_finite(restored.state.params))):
         raise ValueError("its weights hold NaN or Inf")
     except Exception as e:  # noqa: BLE001 - any failure to read a checkpoint back is damage
+      _silence_abandoned_orbax_reads()
       skipped.append(f"step {step}: {_reason(e)}")
       damaged.append(step)
       continue
