@@ -9,9 +9,11 @@ variants after the colon, comma-separated, adjust it:
 - `smoke`: the same recipe on the embedded default target, shrunk to run in seconds on a CPU.
 """
 
+import os
+
 import ml_collections
 
-from pspec_jax import data
+from pspec_jax import cache_dir, data
 
 # name -> (devices as JAX sees them, memory per device in GiB). TPU v4 chips appear as one
 # device each (megacore), so v4-32 (32 TensorCores) is 16 devices.
@@ -80,6 +82,13 @@ ARCHITECTURES = {
 }
 
 
+def selfdistill_dir(checkpoint: str) -> str:
+  """Where `train.selfdistill` writes a target's answers by default: the user's cache
+  directory (`pspec_jax.cache_dir`), outside any checkout, so a fresh clone or a restarted run
+  on the same machine finds and resumes them."""
+  return cache_dir(os.path.join("selfdistill", checkpoint.rstrip("/").split("/")[-1]))
+
+
 def large_config(
   arch: dict, checkpoint: str, arg: str | None, draft_vocab_size: int = 0
 ) -> ml_collections.ConfigDict:
@@ -93,8 +102,8 @@ def large_config(
     mesh=dict(data=1, fsdp=-1, tensor=1),
   )
   c.distributed = True
-  # Local files: run train.selfdistill on one host and copy the directory to the others.
-  c.selfdistill.out = "data/selfdistill_" + checkpoint.rstrip("/").split("/")[-1]
+  # Local files: run train.selfdistill on one host and copy the directory to the others, or
+  # give every host the same gs:// directory as selfdistill.out.
   c.data.source = c.selfdistill.out
   c.train.steps = 10000
   c.drafter.draft_vocab_size = draft_vocab_size
@@ -201,7 +210,7 @@ def training_config(
   c.selfdistill = ml_collections.ConfigDict(
     dict(
       source="sharegpt",
-      out="data/selfdistill",
+      out=selfdistill_dir(checkpoint),
       num_conversations=20000,
       max_prompt_tokens=512,
       max_new_tokens=1024,

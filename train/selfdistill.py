@@ -78,7 +78,9 @@ def run(config) -> None:
   if not todo:
     bar.close()
     return
-  target = build.load_target(config, scan_layers=False, weight_layout="decode")
+  # Plain weights: with 32 rows per matmul the CPU's panel layout is slower (it pays from one
+  # row to a few, the verification of a small tree).
+  target = build.load_target(config, scan_layers=False, weight_layout="plain")
   drafter = drafter_files.resolve_drafter(s.method, None, target, num_draft=4)
   cfg = decode.DecodeConfig(
     max_new_tokens=s.max_new_tokens,
