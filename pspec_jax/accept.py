@@ -37,6 +37,8 @@ import jax.numpy as jnp
 from pspec_jax.sampling import SamplingConfig, argmax, categorical, filtered_logits
 from pspec_jax.tree import TreeArrays
 
+__all__ = ["accept"]
+
 
 def accept(
   logits_BMV: jax.Array,

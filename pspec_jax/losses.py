@@ -24,6 +24,19 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+__all__ = [
+  "DIVERGENCES",
+  "LossConfig",
+  "Rows",
+  "SlotLayout",
+  "distill_rows",
+  "loss",
+  "segment_mask",
+  "segment_positions",
+  "slot_layout",
+  "shifted",
+]
+
 DIVERGENCES = ("forward_kl", "reverse_kl", "tvd", "jsd")
 
 

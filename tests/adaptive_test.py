@@ -182,7 +182,7 @@ def test_a_drafter_file_keeps_its_adaptive_candidates(target, tmp_path):
   drafter_files.save_drafter(str(tmp_path), drafter)
   loaded = drafter_files.load_drafter(str(tmp_path), target)
   assert loaded.cfg.adaptive == "paths:0|lookup:3"
-  pool = decode.pool_tree(decode.DecodeConfig(), loaded)
+  pool = decode.resolve_tree(decode.DecodeConfig(), loaded)
   assert [c.spec for c in pool.candidates] == ["paths:", "paths:0", "lookup:3"]
   with pytest.raises(ValueError, match="unknown tree 'bushy'"):
     drafter.cfg.replace(adaptive="bushy")

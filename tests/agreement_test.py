@@ -108,7 +108,9 @@ def test_depth1_overlap_is_the_decoders_acceptance_probability(kind):
   sampling = SamplingConfig(temperature=0.8, top_k=9)
   prompt = [5, 9, 2, 13, 7]
   cfg = decode.DecodeConfig(max_new_tokens=2, sampling=sampling, tree="chain")
-  state = decode.init(target, *padded([prompt]), jax.random.key(0), cfg, drafter)
+  tokens, lengths = padded([prompt])
+  plan = decode.make_plan(cfg, drafter, tokens.shape[1])
+  state = decode.init(plan, target, drafter, tokens, lengths, jax.random.key(0))
   bonus = int(state.tokens[0, len(prompt)])
   q = np.exp(np.asarray(state.draft_logq[0, 0]))  # depth 1: what x_{n+2} is drawn from
   features, _ = target(jnp.asarray([prompt + [bonus]]), jnp.arange(len(prompt) + 1)[None])

@@ -102,7 +102,7 @@ def test_a_fixed_tree_needs_no_calibration(target, tmp_path, fake_measure):
 
 
 def test_measured_costs_are_relative_to_a_plain_round(target):
-  pool = decode.pool_tree(decode.DecodeConfig(tree=TREE), drafter_for("pspec", target))
+  pool = decode.resolve_tree(decode.DecodeConfig(tree=TREE), drafter_for("pspec", target))
   measured = calibration.measure(target, drafter_for("pspec", target), pool, 2, PROMPT, repeats=3)
   assert list(measured) == [c.spec for c in pool.candidates]
   assert measured["paths:"]["costs"] == [1.0, 1.0]

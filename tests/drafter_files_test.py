@@ -100,15 +100,15 @@ def test_decoding_takes_the_sampling_tree_above_temperature_zero(target, tmp_pat
   drafter_files.save_drafter(str(tmp_path), make_drafter("eagle", target))
   drafter = drafter_files.load_drafter(str(tmp_path), target)
   sampled = sampling.SamplingConfig(temperature=0.7)
-  greedy_pool = decode.pool_tree(decode.DecodeConfig(), drafter)
-  sampled_pool = decode.pool_tree(decode.DecodeConfig(sampling=sampled), drafter)
+  greedy_pool = decode.resolve_tree(decode.DecodeConfig(), drafter)
+  sampled_pool = decode.resolve_tree(decode.DecodeConfig(sampling=sampled), drafter)
   assert greedy_pool == tree_lib.parse("dynamic:5", 3)
   assert sampled_pool == tree_lib.parse("chain", 3)
   # A tree asked for explicitly wins at any temperature; without a sampling tree, `tree` serves.
   explicit = decode.DecodeConfig(sampling=sampled, tree="sparse4")
-  assert decode.pool_tree(explicit, drafter) == tree_lib.parse("sparse4", 3)
+  assert decode.resolve_tree(explicit, drafter) == tree_lib.parse("sparse4", 3)
   medusa = make_drafter("medusa", target)
-  assert decode.pool_tree(decode.DecodeConfig(sampling=sampled), medusa) == tree_lib.parse(
+  assert decode.resolve_tree(decode.DecodeConfig(sampling=sampled), medusa) == tree_lib.parse(
     "sparse8", 4
   )
   with pytest.raises(ValueError, match="tree"):

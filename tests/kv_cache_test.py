@@ -5,8 +5,6 @@ drafter) pass over each finished sequence for the caches a whole decode leaves b
 numpy gather along a hand-chosen path for `decode.commit`.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,12 +79,12 @@ def test_write_casts_to_the_cache_dtype():
 DECODE_CFG = decode.DecodeConfig(max_new_tokens=24, eos_ids=(4,), tree="sparse8")
 
 
-@functools.partial(jax.jit, static_argnames="cfg")
 def run_to_completion(target, drafter, tokens, lengths, cfg):
-  state = decode.init(target, tokens, lengths, jax.random.key(0), cfg, drafter)
-  return jax.lax.while_loop(
-    lambda s: ~s.done.all(), lambda s: decode.round_step(target, s, cfg, drafter), state
-  )
+  plan = decode.make_plan(cfg, drafter, tokens.shape[1])
+  state = decode.init(plan, target, drafter, tokens, lengths, jax.random.key(0))
+  while not bool(state.done.all()):
+    state = decode.round_step(plan, target, drafter, state)
+  return state
 
 
 @pytest.fixture(scope="module")
@@ -251,8 +249,8 @@ def test_commit_copies_the_accepted_path_into_contiguous_slots(max_new_tokens, e
   # The drafter only names the tree here; commit never calls it.
   pld = drafter_lib.DrafterConfig.for_target("pld", TINY, num_draft=3, tree=COMMIT_TREE)
   cfg = decode.DecodeConfig(max_new_tokens=max_new_tokens, eos_ids=eos_ids)
-  new_state, pairs = jax.jit(decode.commit, static_argnames="cfg")(
-    state, verified, cfg, drafter_lib.Drafter(cfg=pld, params={})
+  new_state, pairs = decode.commit(
+    decode.make_plan(cfg, drafter_lib.Drafter(cfg=pld, params={}), WIDTH), state, verified
   )
   assert new_state.cache.lengths.tolist() == [n + k for n, k in zip(N, kept, strict=True)]
   assert new_state.done.tolist() == done

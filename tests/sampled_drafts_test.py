@@ -319,7 +319,7 @@ def test_drafts_from_a_poor_drafter_keep_the_target_distribution(kind, tree, sam
   target = make_target(2.0, seed=3, cfg=SAMPLING_TINY)
   cfg = decode.DecodeConfig(max_new_tokens=LENGTH, sampling=sampling, num_draft=3, tree=tree)
   drafter = drafter_for(kind, target, num_draft=3, seed=7)
-  assert decode.drawn_from_q(cfg, drafter)
+  assert decode.make_plan(cfg, drafter, 8).drawn
   samples, tau, _ = sample_many(target, drafter, cfg, batch)
   assert tau > 1.1  # drafts do get accepted
   probs, _ = exact_joint(target, PROMPT, LENGTH, sampling)
@@ -345,10 +345,11 @@ def test_top_k_drafts_stay_selectable_and_greedy_ignores_the_rule(target):
   tokens, lengths = padded([[5, 9, 2, 13, 7], [1, 2]])
   drafter = drafter_for("pspec", target)
   sampling = decode.DecodeConfig(sampling=T1, drafts="top_k", tree="chain")
-  assert not decode.drawn_from_q(sampling, drafter)
-  assert decode.drawn_from_q(decode.DecodeConfig(sampling=T1, tree="chain"), drafter)
-  assert not decode.drawn_from_q(decode.DecodeConfig(sampling=T1, tree="lookup:3"), drafter)
-  assert not decode.drawn_from_q(decode.DecodeConfig(sampling=T1), drafter_for("pld", target))
+  drawn = lambda cfg, drafter: decode.make_plan(cfg, drafter, 8).drawn
+  assert not drawn(sampling, drafter)
+  assert drawn(decode.DecodeConfig(sampling=T1, tree="chain"), drafter)
+  assert not drawn(decode.DecodeConfig(sampling=T1, tree="lookup:3"), drafter)
+  assert not drawn(decode.DecodeConfig(sampling=T1), drafter_for("pld", target))
   greedy = [decode.DecodeConfig(max_new_tokens=12, drafts=d) for d in decode.DRAFTS]
   outs = [decode.generate(target, tokens, lengths, jax.random.key(0), c, drafter) for c in greedy]
   assert outs[0].tokens.tolist() == outs[1].tokens.tolist()

@@ -54,9 +54,8 @@ def test_sharded_greedy_decoding_gives_the_single_device_tokens(target, mesh_sha
   np.testing.assert_array_equal(out.accepted_per_depth, single.accepted_per_depth)
 
   # The cache lives split over batch (data) and kv heads (tensor, when it divides them).
-  state = jax.jit(decode.init, static_argnames="cfg")(
-    sharded_target, tokens, lengths, key, mesh_cfg, sharded_drafter
-  )
+  plan = decode.make_plan(mesh_cfg, sharded_drafter, tokens.shape[1])
+  state = decode.init(plan, sharded_target, sharded_drafter, tokens, lengths, key)
   data = "data" if mesh_shape["data"] > 1 else None
   heads = "tensor" if WIDE.num_kv_heads % mesh_shape["tensor"] == 0 else None
   spec = (None, data, None, heads, None)  # layers, batch, slots, kv heads, head dim

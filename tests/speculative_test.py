@@ -316,14 +316,12 @@ def test_decoding_drafts_what_training_predicts(target, kind):
   drafter = drafter.replace(params=jax.tree.map(lambda x: 25 * x, drafter.params))
   cfg = decode.DecodeConfig(max_new_tokens=24, tree="chain")
   tokens, lengths = padded(PROMPTS[:1])
-  state = jax.jit(decode.init, static_argnames="cfg")(
-    target, tokens, lengths, jax.random.key(0), cfg, drafter
-  )
-  round_step = jax.jit(decode.round_step, static_argnames="cfg")
+  plan = decode.make_plan(cfg, drafter, tokens.shape[1])
+  state = decode.init(plan, target, drafter, tokens, lengths, jax.random.key(0))
   rounds = []
   while not bool(state.done.all()):
     rounds.append((int(state.cache.lengths[0]), np.asarray(state.node_tokens[0, 1:])))
-    state = round_step(target, state, cfg, drafter)
+    state = decode.round_step(plan, target, drafter, state)
   seq = state.tokens[:, : int(state.num_tokens[0])]
   segments = jnp.ones_like(seq)
   positions, mask = losses.segment_positions(segments), losses.segment_mask(segments)
@@ -410,7 +408,7 @@ def test_generate_under_a_users_jit_with_batch_sharded_inputs(target):
 def test_lookup_chains_stay_lossless_and_are_accepted(target, kind, tree):
   drafter = drafter_for(kind, target)
   cfg, _, spec = assert_greedy_lossless(target, drafter, tree)
-  pool = decode.pool_tree(cfg, drafter)
+  pool = decode.resolve_tree(cfg, drafter)
   assert spec.accepted_per_depth.shape == (len(PROMPTS), pool.max_depth)
   if pool.lookup > pool.depth:  # only a lookup chain reaches below the drafted tree
     assert spec.accepted_per_depth[:, pool.depth :].sum() > 0
@@ -419,19 +417,21 @@ def test_lookup_chains_stay_lossless_and_are_accepted(target, kind, tree):
 def test_a_round_without_a_lookup_match_verifies_the_drafted_tree_alone(target):
   # No pair of tokens repeats (the bonus follows 9, which occurs once): the drafted-only branch.
   tokens, lengths = padded([[5, 6, 7, 8, 9]], width=8)
-  cfg = decode.DecodeConfig(max_new_tokens=1, tree="paths:0+lookup:3")
   drafter = drafter_for("pspec", target).with_head(target)
-  state = decode.init(target, tokens, lengths, jax.random.key(0), cfg, drafter)
-  verified = decode.verify(target, state, cfg, drafter)
-  drafted = decode.verify(target, state, decode.DecodeConfig(tree="paths:0"), drafter)
+  plan = _plan(decode.DecodeConfig(max_new_tokens=1, tree="paths:0+lookup:3"), drafter)
+  state = decode.init(plan, target, drafter, tokens, lengths, jax.random.key(0))
+  verified = decode.verify(plan, target, drafter, state)
+  drafted = decode.verify(
+    _plan(decode.DecodeConfig(tree="paths:0"), drafter), target, drafter, state
+  )
   np.testing.assert_array_equal(verified.tree.children[0, 0], [-1, 1])  # chain cut at the root
   np.testing.assert_allclose(verified.logits[:, :2], drafted.logits, rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(verified.logits[:, 2:], 0)  # the chain's nodes never ran
   # One repeated pair (8 9 ... 8 9) and the chain runs: its first node is what followed 8 9.
   tokens, lengths = padded([[5, 8, 9, 4, 6, 8]], width=8)
-  state = decode.init(target, tokens, lengths, jax.random.key(0), cfg, drafter)
+  state = decode.init(plan, target, drafter, tokens, lengths, jax.random.key(0))
   state = state.replace(tokens=state.tokens.at[0, 6].set(9))  # the bonus completes "8 9"
-  verified = decode.verify(target, state, cfg, drafter)
+  verified = decode.verify(plan, target, drafter, state)
   assert verified.node_tokens[0, 2:].tolist() == [4, 6, 8]
   np.testing.assert_array_equal(verified.tree.children[0, 0], [2, 1])
   assert np.abs(np.asarray(verified.logits[:, 2:])).sum() > 0
@@ -454,22 +454,29 @@ def test_gated_trees_stay_lossless(target, kind, tree):
 def test_a_gated_round_leaves_unlikely_drafts_out_of_the_pass(target):
   # No pair of tokens repeats, so no lookup chain: only the gate decides.
   tokens, lengths = padded([[5, 6, 7, 8, 9]], width=8)
-  cfg = decode.DecodeConfig(max_new_tokens=1, tree="paths:0/1/0.0+min:0.3+lookup:3")
   drafter = drafter_for("pspec", target).with_head(target)
-  state = decode.init(target, tokens, lengths, jax.random.key(0), cfg, drafter)
-  ungated = decode.verify(target, state, decode.DecodeConfig(tree="paths:0/1/0.0"), drafter)
+  plan = _plan(
+    decode.DecodeConfig(max_new_tokens=1, tree="paths:0/1/0.0+min:0.3+lookup:3"), drafter
+  )
+  state = decode.init(plan, target, drafter, tokens, lengths, jax.random.key(0))
+  ungated_plan = _plan(decode.DecodeConfig(tree="paths:0/1/0.0"), drafter)
+  ungated = decode.verify(ungated_plan, target, drafter, state)
   # Nodes (0,), (1,), (0, 0): confidences 0.6, 0.2 and 0.6 * 0.4 = 0.24; the gate keeps (0,).
   sure = state.replace(node_logp=jnp.log(jnp.asarray([[1.0, 0.6, 0.2, 0.4]])))
-  verified = decode.verify(target, sure, cfg, drafter)
+  verified = decode.verify(plan, target, drafter, sure)
   np.testing.assert_array_equal(verified.tree.children[0, 0], [-1, 1, -1])  # no chain, no (1,)
   np.testing.assert_array_equal(verified.tree.children[0, 1], [-1, -1, -1])  # no (0, 0)
   np.testing.assert_allclose(verified.logits[:, :4], ungated.logits, rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(verified.logits[:, 4:], 0)  # the chain's nodes never ran
   # Every draft below 0.3: the pass runs the root alone, and the round keeps one token.
   unsure = state.replace(node_logp=jnp.log(jnp.asarray([[1.0, 0.25, 0.2, 0.9]])))
-  verified = decode.verify(target, unsure, cfg, drafter)
+  verified = decode.verify(plan, target, drafter, unsure)
   assert (np.asarray(verified.tree.children[0, 0]) == -1).all()
   np.testing.assert_allclose(verified.logits[:, 0], ungated.logits[:, 0], rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(verified.logits[:, 1:], 0)
-  _, num_accepted, _ = decode.accept_path(unsure, verified, cfg, drafter)
+  _, num_accepted, _ = decode.accept_path(plan, unsure, verified)
   assert num_accepted.tolist() == [0]
+
+
+def _plan(cfg, drafter, width=8):
+  return decode.make_plan(cfg, drafter, width)

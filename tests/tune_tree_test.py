@@ -133,7 +133,7 @@ def test_write_stores_the_choices_as_the_drafters_trees(target, tmp_path):
   loaded = drafter_files.load_drafter(str(tmp_path), target)
   assert loaded.cfg.tree == "paths:0+min:0.2+lookup:6"
   assert loaded.cfg.sampling_tree == "lookup:6"
-  assert decode.pool_tree(decode.DecodeConfig(), loaded).lookup == 6
+  assert decode.resolve_tree(decode.DecodeConfig(), loaded).lookup == 6
   # Trees timed on one kind of device are that device's: another keeps the file's own.
   tune_tree.write_trees(str(tmp_path), {0.0: "sparse8"}, "gpu")
   on_gpu = drafter_files.read_drafter_config(str(tmp_path), target.cfg, "gpu")
