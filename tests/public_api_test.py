@@ -5,8 +5,7 @@ import subprocess
 import sys
 
 import pspec_jax as pj
-from pspec_jax import checkpoints, decode, decode_plan, drafter_files, prompts, sampling
-from pspec_jax import sharding
+from pspec_jax import checkpoints, decode, decode_plan, drafter_files, prompts, sampling, sharding
 
 SURFACE = {
   "generate": decode.generate,
