@@ -8,6 +8,7 @@ import os
 
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from infer import measure
 
@@ -165,13 +166,12 @@ def _title(what: str, meta: dict, rows: list[dict]) -> str:
   datasets = ", ".join(dict.fromkeys(r["dataset"] for r in rows))
   r = rows[0]
   return (
-    f"{what}: {meta['target']} on {machine(meta)}\n"
+    f"{what}\n{meta['target']} on {machine(meta)}\n"
     f"{datasets}; temperature {r['temperature']:g}, batch size {r['batch_size']}"
   )
 
 
 def _save(fig: Figure, out: str, name: str) -> str:
-  fig.tight_layout()
   fig.savefig(os.path.join(out, name), dpi=120)
   return name
 
@@ -190,27 +190,29 @@ def plots(results: dict, out: str) -> list[str]:
   labels = list(dict.fromkeys(_label(r, varied) for r in first))
   written = []
 
-  fig = Figure(figsize=(max(7, 1.2 * len(labels) * len(datasets)), 4.5))
+  # Horizontal bars, a group per setting and a bar per dataset: long labels never meet.
+  fig = Figure(figsize=(8, 2 + 0.3 * len(labels) * len(datasets)), layout="constrained")
   ax = fig.subplots()
-  width = 0.8 / len(datasets)
+  height = 0.8 / len(datasets)
+  ys = np.arange(len(labels))[::-1]  # the first setting on top
   for i, dataset in enumerate(datasets):
     values = []
     for label in labels:
       hit = [r for r in first if r["dataset"] == dataset and _label(r, varied) == label]
       values.append(hit[0]["speedup"] or 0 if hit else 0)
-    ax.bar(np.arange(len(labels)) + i * width, values, width, label=dataset)
-  ax.axhline(1.0, color="gray", lw=0.8)
-  ax.set_xticks(np.arange(len(labels)) + 0.4 - width / 2, labels, rotation=20, ha="right")
-  ax.set_xlabel("method")
-  ax.set_ylabel("speedup over none (x, tokens/s ratio)")
-  ax.set_title(_title("Speedup", meta, first), fontsize=10)
-  ax.legend(title="dataset")
+    ax.barh(ys + 0.4 - (i + 0.5) * height, values, height, label=dataset)
+  ax.axvline(1.0, color="gray", lw=0.8)
+  ax.set_yticks(ys, labels)
+  ax.set_xlabel("speedup over none (x, ratio of tokens/s)")
+  ax.set_title(_title("Speedup over plain decoding", meta, first), fontsize=10)
+  ax.legend(title="dataset", loc="lower right")
+  ax.grid(axis="x", alpha=0.3)
   written.append(_save(fig, out, "speedup.png"))
 
   drafted = [r for r in first if r["tau_per_prompt"] and r["method"] not in ("none", "hf")]
   if drafted:
     # One horizontal box per setting, its label on a line of its own: long labels never meet.
-    fig = Figure(figsize=(8, 1.5 + 0.45 * len(drafted)))
+    fig = Figure(figsize=(8, 2 + 0.4 * len(drafted)), layout="constrained")
     ax = fig.subplots()
     ax.boxplot(
       [r["tau_per_prompt"] for r in drafted[::-1]],
@@ -223,7 +225,7 @@ def plots(results: dict, out: str) -> list[str]:
     written.append(_save(fig, out, "tau.png"))
 
   if "num_draft" in varied:
-    fig = Figure(figsize=(11, 4.5))
+    fig = Figure(figsize=(11, 5), layout="constrained")
     left, right = fig.subplots(1, 2)
     for key in dict.fromkeys(
       (r["method"], r["tree"], r["dataset"]) for r in first if r["num_draft"]
@@ -237,7 +239,8 @@ def plots(results: dict, out: str) -> list[str]:
       right.plot(ks, [r["tau"] or 0 for r in line], marker="o", label=" ".join(key))
     for ax in (left, right):
       ax.set_xlabel("K (draft tokens per round)")
-    left.set_ylabel("speedup over none (x, tokens/s ratio)")
+      ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    left.set_ylabel("speedup over none (x, ratio of tokens/s)")
     right.set_ylabel("tau (tokens per target pass)")
     left.legend(fontsize=7)
     fig.suptitle(_title("K ablation", meta, first), fontsize=10)
