@@ -35,7 +35,6 @@ import platform
 
 import jax
 import jax.numpy as jnp
-import transformers
 from absl import flags
 from ml_collections import config_flags
 
@@ -152,7 +151,6 @@ def dry_run(config) -> str:
 
 
 def run(config, progress=True) -> dict:
-  transformers.logging.disable_progress_bar()
   methods = check_config(config)[0]
   if any(m in measure.HF_METHODS for m in methods):
     # On a GPU, torch's copy of the target shares the card: JAX takes memory as it needs it

@@ -138,6 +138,7 @@ class HFMethod:
     import torch
     import transformers
 
+    transformers.logging.disable_progress_bar()  # its checkpoint-loading bar
     torch.set_num_threads(threads)
     self.device = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
     source = checkpoints.resolve_target(spec)
