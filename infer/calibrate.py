@@ -9,23 +9,18 @@ measures them again on demand (e.g. after a change to the machine), prints them 
 they come from, and stores them where decoding reads them (`infer.calibration`).
 """
 
+import jax
 from absl import flags
 
-from pspec_jax import cli
+from infer import calibration
+from pspec_jax import checkpoints, cli, data, decode, drafter_files
 
 FLAGS = flags.FLAGS
 
 
-def run():
-  import jax
-  import transformers
-
-  from infer import calibration
-  from pspec_jax import checkpoints, data, decode, drafter_files
-
+def main():
   if FLAGS.batch_size < 1:
     raise ValueError(f"--batch_size must be >= 1, got {FLAGS.batch_size}")
-  transformers.logging.set_verbosity_error()
   dtype = jax.numpy.dtype(FLAGS.dtype)
   tokenizer = checkpoints.load_tokenizer(FLAGS.target)
   # The first MT-Bench question is the context the rounds are timed at.
@@ -66,4 +61,4 @@ def define_flags():
 
 
 if __name__ == "__main__":
-  cli.run(run, define_flags, full_float32=True)
+  cli.run(main, define_flags, full_float32=True)

@@ -19,16 +19,19 @@ import json
 import sys
 import time
 
+import jax
+import numpy as np
 from absl import flags
 
-from pspec_jax import cli
+from infer import calibration
+from pspec_jax import checkpoints, cli, data, decode, drafter_files, sharding
+from pspec_jax import tree as tree_lib
+from pspec_jax.sampling import SamplingConfig
 
 FLAGS = flags.FLAGS
 
 
 def _prompts() -> list[str]:
-  from pspec_jax import data
-
   if (FLAGS.prompt is None) == (FLAGS.prompts is None):
     raise ValueError("give exactly one of --prompt and --prompts")
   if FLAGS.num_prompts < 0:
@@ -38,16 +41,7 @@ def _prompts() -> list[str]:
   return data.prompts_from(FLAGS.prompts, FLAGS.num_prompts)
 
 
-def run() -> None:
-  import jax
-  import numpy as np
-  import transformers
-
-  from pspec_jax import checkpoints, data, decode, drafter_files, sharding
-  from pspec_jax import tree as tree_lib
-  from pspec_jax.sampling import SamplingConfig
-
-  transformers.logging.set_verbosity_error()
+def main() -> None:
   sampling = SamplingConfig(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p)
   if FLAGS.batch_size < 1:
     raise ValueError(f"--batch_size must be >= 1, got {FLAGS.batch_size}")
@@ -85,8 +79,6 @@ def run() -> None:
     _, drafter = decode.shard(mesh, target, drafter)
   check_num_draft(FLAGS.num_draft, cfg, drafter)
   if drafter is not None and decode.pool_tree(cfg, drafter).candidates:
-    from infer import calibration
-
     # An adaptive tree weighs this machine's round costs: measured once, then read back.
     batch = min(FLAGS.batch_size, len(encoded))
     cfg = dataclasses.replace(
@@ -180,8 +172,6 @@ def summary(total: dict, method: str, tree: str, num_draft: int) -> str:
 def check_num_draft(num_draft: int | None, cfg, drafter) -> None:
   """`--num_draft` must change what is decoded: a tree that fixes its own depth (explicit
   rank paths, `lookup:L`), or plain decoding, would silently ignore it."""
-  from pspec_jax import tree as tree_lib
-
   if num_draft is None:
     return
   if drafter is None:
@@ -241,4 +231,4 @@ def define_flags():
 
 
 if __name__ == "__main__":
-  cli.run(run, define_flags, full_float32=True)
+  cli.run(main, define_flags, full_float32=True)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from configs import common
-from infer import bench, profile_round
+from infer import measure, profile_round
 from pspec_jax import decode
 from tests.tiny_models import TINY, drafter_for
 
@@ -47,15 +47,15 @@ def test_a_random_target_profiles_round_parts_loop_and_step(monkeypatch):
   drafter = drafter_for("pspec", target, num_draft=2)
   cfg = decode.DecodeConfig(max_new_tokens=9, num_draft=2, tree="chain")
 
-  ms, rounds = profile_round.phase_split(target, drafter, prompts, cfg)
+  ms, rounds = measure.phase_split(target, drafter, prompts, cfg)
   assert set(ms) == {"draft", "verify", "accept+commit"} and min(ms.values()) > 0
   assert 2 <= rounds <= 16  # 8 tokens after the first for each prompt, 1 to 3 a round
-  per_round, loop_rounds = bench.round_seconds(target, drafter, prompts[0], cfg)
+  per_round, loop_rounds = measure.round_seconds(target, drafter, prompts[0], cfg)
   assert math.isfinite(per_round) and 1 <= loop_rounds <= 8  # its sign is the machine's
   with pytest.raises(ValueError, match="max_new_tokens >= 2, got 1"):
-    bench.round_seconds(target, drafter, prompts[0], decode.DecodeConfig(max_new_tokens=1))
+    measure.round_seconds(target, drafter, prompts[0], decode.DecodeConfig(max_new_tokens=1))
 
-  step = bench.step_profile(target, prompts[0], cfg, steps=4)
+  step = measure.step_profile(target, prompts[0], cfg, steps=4)
   params = target.params
   weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params)) - params["embedding"].nbytes
   assert step["weight_bytes"] == weight_bytes
@@ -78,16 +78,16 @@ def test_round_seconds_takes_each_decodes_fastest_run(monkeypatch):
       clock[0] += next(durations[self.max_new_tokens])
       return types.SimpleNamespace(rounds=[3])
 
-  monkeypatch.setattr(bench, "OurMethod", FakeMethod)
-  monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+  monkeypatch.setattr(measure, "OurMethod", FakeMethod)
+  monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
   cfg = decode.DecodeConfig(max_new_tokens=4, eos_ids=(7,))
-  per_round, rounds = bench.round_seconds(None, None, [1, 2], cfg, repeats=3)
+  per_round, rounds = measure.round_seconds(None, None, [1, 2], cfg, repeats=3)
   assert rounds == 3 and per_round == pytest.approx((0.5 - 0.1) / 3)
 
 
 def test_read_bandwidth_counts_bytes_read_once(monkeypatch):
   # A clock that ticks one second a reading: every read takes one second.
   ticks = iter(range(1000))
-  monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
-  assert bench.read_bandwidth(1 << 29, repeats=3) == 1 << 29
-  assert bench.read_bandwidth(4 << 20, repeats=3) == 1 << 28  # never a buffer a cache holds
+  monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+  assert measure.read_bandwidth(1 << 29, repeats=3) == 1 << 29
+  assert measure.read_bandwidth(4 << 20, repeats=3) == 1 << 28  # never a buffer a cache holds
