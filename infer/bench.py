@@ -106,7 +106,8 @@ def settings_of(config, target, drafters: dict) -> tuple[list[measure.Setting], 
               name = tree or drafter.cfg.tree_for(temperature == 0)
               cfg = decode.DecodeConfig(num_draft=k, tree=name)
               try:
-                decode.check_drafter(target, drafter, cfg)
+                decode.check_drafter(target, drafter)
+                decode.make_plan(cfg, drafter, 1)  # the tree within what the drafter proposes
               except ValueError as e:
                 skipped.append(f"{method} K={k or drafter.cfg.num_draft} tree {name}: {e}")
                 continue
@@ -120,7 +121,7 @@ def settings_of(config, target, drafters: dict) -> tuple[list[measure.Setting], 
                   method, dataset, temperature, batch, k or drafter.cfg.num_draft, name, rule
                 )
                 drawn = dataclasses.replace(setting, drafts="sampled").decode_config(**_SHAPELESS)
-                if not decode.drawn_from_q(drawn, drafter):
+                if not decode.make_plan(drawn, drafter, 1).drawn:
                   setting = dataclasses.replace(setting, drafts="")  # the rule changes nothing
                 if setting not in out:
                   out.append(setting)
@@ -203,7 +204,7 @@ def run(config, progress=True) -> dict:
   def costs(s: measure.Setting, cfg) -> tuple:
     """An adaptive tree's round costs on this machine (measured once, then read back)."""
     drafter = drafters.get(s.method)
-    if drafter is None or not decode.pool_tree(cfg, drafter).candidates:
+    if drafter is None or not decode.resolve_tree(cfg, drafter).candidates:
       return ()
     first = prompts[s.dataset][0]
     return calibration.costs_for(target, drafter, cfg, s.batch_size, first)

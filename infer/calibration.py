@@ -94,16 +94,17 @@ def measure(target, drafter, pool, batch: int, ids: list[int], repeats: int = 15
   drafter = drafter.with_head(target)
   base = decode.DecodeConfig(max_new_tokens=pool.max_depth + 8)
 
-  init = jax.jit(decode.init, static_argnames="cfg")
+  width = tokens.shape[1]
+  plain = decode.make_plan(base, None, width)
   plain_ms = measure_lib.median_ms(
-    jax.jit(decode.round_step, static_argnames="cfg"),
+    decode.round_step,
+    plain,
     target,
-    init(target, tokens, lengths, key, base),
-    base,
+    None,
+    decode.init(plain, target, None, tokens, lengths, key),
     repeats=repeats,
   )
   # A verification pass over n nodes: a chain of n - 1 prompt-lookup drafts (no drafter pass).
-  verify = jax.jit(decode.verify, static_argnames="cfg")
   pld = drafter_lib.Drafter(
     cfg=drafter_lib.DrafterConfig.for_target("pld", target.cfg, num_draft=1), params={}
   )
@@ -111,16 +112,18 @@ def measure(target, drafter, pool, batch: int, ids: list[int], repeats: int = 15
   for n in sorted({n for pair in adaptive.verified_nodes(pool) for n in pair}):
     cfg = dataclasses.replace(base, tree="chain", num_draft=max(n - 1, 1))
     d = pld if n > 1 else None
-    state = init(target, tokens, lengths, key, cfg, d)
-    verify_ms[n] = measure_lib.median_ms(verify, target, state, cfg, d, repeats=repeats)
+    plan = decode.make_plan(cfg, d, width)
+    state = decode.init(plan, target, d, tokens, lengths, key)
+    verify_ms[n] = measure_lib.median_ms(decode.verify, plan, target, d, state, repeats=repeats)
   # The drafter's pass per candidate, on pairs as wide as a round of the union tree gives.
-  width = pool.max_depth + 1
+  kept = pool.max_depth + 1
   pairs = drafter_lib.Pairs(
-    tokens=jnp.ones((batch, width), jnp.int32),
-    features=jnp.ones((batch, width, target.cfg.hidden_size), target.cfg.dtype),
+    tokens=jnp.ones((batch, kept), jnp.int32),
+    features=jnp.ones((batch, kept, target.cfg.hidden_size), target.cfg.dtype),
     count=jnp.ones((batch,), jnp.int32),
   )
-  state = init(target, tokens, lengths, key, base, drafter)
+  plan = decode.make_plan(base, drafter, tokens.shape[1])
+  state = decode.init(plan, target, drafter, tokens, lengths, key)
   feed = jax.jit(drafter_lib.feed)
   feed_ms = measure_lib.median_ms(
     feed, drafter, target, state.drafter_cache, pairs, repeats=repeats
@@ -188,7 +191,7 @@ def costs_for(
   copies of it) and stored. `log` (default: stderr) gets every measured table and any problem
   with the file; `recalibrate` measures every candidate again."""
   log = log or (lambda text: print(text, file=sys.stderr, flush=True))
-  pool = decode.pool_tree(cfg, drafter)
+  pool = decode.resolve_tree(cfg, drafter)
   if not pool.candidates:
     return ()
   path = path or default_path()

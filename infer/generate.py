@@ -78,13 +78,13 @@ def main() -> None:
   if mesh is not None:
     _, drafter = decode.shard(mesh, target, drafter)
   check_num_draft(FLAGS.num_draft, cfg, drafter)
-  if drafter is not None and decode.pool_tree(cfg, drafter).candidates:
+  if drafter is not None and decode.resolve_tree(cfg, drafter).candidates:
     # An adaptive tree weighs this machine's round costs: measured once, then read back.
     batch = min(FLAGS.batch_size, len(encoded))
     cfg = dataclasses.replace(
       cfg, costs=calibration.costs_for(target, drafter, cfg, batch, encoded[0])
     )
-  depth = decode.pool_tree(cfg, drafter).max_depth
+  depth = decode.resolve_tree(cfg, drafter).max_depth
   max_width = target.cfg.max_position_embeddings - cfg.max_new_tokens - depth
   live = sys.stdout.isatty() and not FLAGS.json and FLAGS.batch_size == 1
   key = jax.random.key(FLAGS.seed)

@@ -116,7 +116,7 @@ class OurMethod:
     out = jax.device_get(decode.generate(self.target, tokens, lengths, key, self.cfg, self.drafter))
     chosen = None
     if out.chosen is not None:
-      candidates = decode.pool_tree(self.cfg, self.drafter).candidates
+      candidates = decode.resolve_tree(self.cfg, self.drafter).candidates
       chosen = {c.spec: int(n) for c, n in zip(candidates, out.chosen, strict=True)}
     return Outcome(
       tokens=[np.asarray(out.tokens[b, : out.lengths[b]]).tolist() for b in range(len(batch))],
@@ -265,21 +265,18 @@ def _row(s: Setting, records: dict, shares: dict | None) -> dict:
 def phase_split(target, drafter, prompts, cfg):
   """Median ms per round of each phase over every round of every prompt (after warm-up), each
   phase jitted on its own and timed from the host; and the rounds timed."""
-  init = jax.jit(decode.init, static_argnames="cfg")
-  verify = jax.jit(decode.verify, static_argnames="cfg")
-  commit = jax.jit(decode.commit, static_argnames="cfg")
-  draft = jax.jit(decode.draft, static_argnames="cfg")
   if drafter is not None:
     drafter = drafter.with_head(target)  # as `decode.generate` does, once per decode
   times = {"draft": [], "verify": [], "accept+commit": []}
   for warm_up in (True, False):
     for ids in prompts[:1] if warm_up else prompts:
       tokens, lengths = data.pad_batch([ids])
-      state = init(target, tokens, lengths, jax.random.key(0), cfg, drafter)
+      plan = decode.make_plan(cfg, drafter, tokens.shape[1])
+      state = decode.init(plan, target, drafter, tokens, lengths, jax.random.key(0))
       while not bool(state.done.all()):
-        verified, t_verify = timed(verify, target, state, cfg, drafter)
-        (state, pairs), t_commit = timed(commit, state, verified, cfg, drafter)
-        state, t_draft = timed(draft, target, drafter, state, pairs, cfg)
+        verified, t_verify = timed(decode.verify, plan, target, drafter, state)
+        (state, pairs), t_commit = timed(decode.commit, plan, state, verified)
+        state, t_draft = timed(decode.draft, plan, target, drafter, state, pairs)
         if not warm_up:
           times["verify"].append(t_verify)
           times["accept+commit"].append(t_commit)

@@ -40,16 +40,17 @@ def verify_cost(target, drafter, ids, cfg, nodes, repeats):
   """Median ms of one verification pass per tree size, and of one plain decoding round."""
   tokens, lengths = data.pad_batch([ids])
   key = jax.random.key(0)
-  plain = jax.jit(decode.round_step, static_argnames="cfg")
-  state = jax.jit(decode.init, static_argnames="cfg")(target, tokens, lengths, key, cfg)
-  ar_ms = measure.median_ms(plain, target, state, cfg, repeats=repeats)
-  verify = jax.jit(decode.verify, static_argnames="cfg")
+  width = tokens.shape[1]
+  plain = decode.make_plan(cfg, None, width)
+  state = decode.init(plain, target, None, tokens, lengths, key)
+  ar_ms = measure.median_ms(decode.round_step, plain, target, None, state, repeats=repeats)
   out = {}
   for n in nodes:
     tree_cfg = dataclasses.replace(cfg, tree="chain" if n == 1 else f"sparse{n}")
     d = None if n == 1 else drafter
-    state = jax.jit(decode.init, static_argnames="cfg")(target, tokens, lengths, key, tree_cfg, d)
-    out[n] = measure.median_ms(verify, target, state, tree_cfg, d, repeats=repeats)
+    plan = decode.make_plan(tree_cfg, d, width)
+    state = decode.init(plan, target, d, tokens, lengths, key)
+    out[n] = measure.median_ms(decode.verify, plan, target, d, state, repeats=repeats)
   return ar_ms, out
 
 

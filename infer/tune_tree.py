@@ -28,6 +28,7 @@ default to ShareGPT's held-out split, so a benchmark on MT-Bench stays out of sa
 """
 
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -47,15 +48,15 @@ FLAGS = flags.FLAGS
 
 def acceptance_rates(target, drafter, prompts, cfg, batch_size):
   """How often each rank path of the pool `cfg.tree` is accepted, per round; and the rounds."""
-  pool = decode.pool_tree(cfg, drafter)
+  pool = decode.resolve_tree(cfg, drafter)
 
-  @jax.jit
-  def calibration_round(state):
+  @functools.partial(jax.jit, static_argnums=0)
+  def calibration_round(plan, state):
     # decode.round_step's three steps, keeping the path that commit accepts.
-    verified = decode.verify(target, state, cfg, drafter)
-    path_BP1, num_accepted_B, _ = decode.accept_path(state, verified, cfg, drafter)
-    after, pairs = decode.commit(state, verified, cfg, drafter)
-    after = decode.draft(target, drafter, after, pairs, cfg)
+    verified = decode.verify(plan, target, drafter, state)
+    path_BP1, num_accepted_B, _ = decode.accept_path(plan, state, verified)
+    after, pairs = decode.commit(plan, state, verified)
+    after = decode.draft(plan, target, drafter, after, pairs)
     # Count what the round kept, as decoding's own statistics do: the accepted path, cut at an
     # EOS or the token budget; nothing for finished sequences.
     kept_B = after.num_tokens - state.num_tokens
@@ -63,13 +64,13 @@ def acceptance_rates(target, drafter, prompts, cfg, batch_size):
     hits_M = jnp.zeros(pool.num_nodes, jnp.int32).at[path_BP1].add(on_path.astype(jnp.int32))
     return after, hits_M, (~state.done).sum()
 
-  init = jax.jit(decode.init, static_argnames="cfg")
   hits, rounds = np.zeros(pool.num_nodes, np.int64), 0
   for start in range(0, len(prompts), batch_size):
     tokens, lengths = data.pad_batch(prompts[start : start + batch_size])
-    state = init(target, tokens, lengths, jax.random.key(0), cfg, drafter)
+    plan = decode.make_plan(cfg, drafter, tokens.shape[1])
+    state = decode.init(plan, target, drafter, tokens, lengths, jax.random.key(0))
     while not bool(state.done.all()):
-      state, hits_M, active = calibration_round(state)
+      state, hits_M, active = calibration_round(plan, state)
       hits += np.asarray(hits_M)
       rounds += int(active)
   rates = {p: hits[i + 1] / max(rounds, 1) for i, p in enumerate(pool.paths)}
@@ -83,14 +84,16 @@ def round_costs(target, ids, runs, repeats):
   and runs two warm-up rounds.
   """
   tokens, lengths = data.pad_batch([ids])
-  init = jax.jit(decode.init, static_argnames="cfg")
-  step = jax.jit(decode.round_step, static_argnames="cfg")
   key = jax.random.key(0)
-  states = [init(target, tokens, lengths, key, cfg, drafter) for cfg, drafter in runs]
+  plans = [decode.make_plan(cfg, drafter, tokens.shape[1]) for cfg, drafter in runs]
+  states = [
+    decode.init(plan, target, drafter, tokens, lengths, key)
+    for plan, (_, drafter) in zip(plans, runs, strict=True)
+  ]
   times = [[] for _ in runs]
   for _ in range(repeats + 2):
-    for i, (cfg, drafter) in enumerate(runs):
-      states[i], seconds = measure.timed(step, target, states[i], cfg, drafter)
+    for i, (plan, (_, drafter)) in enumerate(zip(plans, runs, strict=True)):
+      states[i], seconds = measure.timed(decode.round_step, plan, target, drafter, states[i])
       times[i].append(seconds)
   return [1e3 * statistics.median(t[2:]) for t in times]
 
@@ -108,7 +111,7 @@ def tune(
   cfg = decode.DecodeConfig(
     max_new_tokens=max_new_tokens, eos_ids=eos_ids, num_draft=num_draft, tree=pool.spec
   )
-  decode.check_drafter(target, drafter, cfg)
+  decode.check_drafter(target, drafter)
   rates, rounds = acceptance_rates(target, drafter, prompts, cfg, batch_size)
   trees = []
   for n in sorted(set(sizes)):
