@@ -27,12 +27,14 @@ from jax.sharding import Mesh
 
 from pspec_jax import drafter as drafter_lib
 from pspec_jax import llama, rounds, sharding
-from pspec_jax.decode_plan import DecodeConfig, Plan, make_plan, resolve_tree
+from pspec_jax.decode_plan import DRAFTS, DecodeConfig, Plan, make_plan, resolve_tree
 from pspec_jax.drafter import Drafter
 from pspec_jax.llama import Target
-from pspec_jax.rounds import DecodeState, Verified
+from pspec_jax.rounds import CACHE_AXES, DecodeState, Verified
 
 __all__ = [
+  "CACHE_AXES",
+  "DRAFTS",
   "DecodeConfig",
   "DecodeOutput",
   "DecodeState",
