@@ -1,4 +1,4 @@
-"""Decoding: speculative rounds inside one jitted `jax.lax.while_loop` (DESIGN.md section 3).
+"""Decoding: speculative rounds inside one jitted `jax.lax.while_loop` (docs/design.md section 3).
 
 State between rounds: the target cache holds x_1..x_n; the *bonus* token x_{n+1}, chosen from
 p_n, is known but not yet in the cache, and the drafter's proposals for the next round are

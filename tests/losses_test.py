@@ -1,4 +1,4 @@
-"""Training layouts and losses against slow references written from DESIGN.md section 2."""
+"""Training layouts and losses against slow references written from docs/design.md section 2."""
 
 import functools
 

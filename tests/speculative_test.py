@@ -243,7 +243,7 @@ def test_speculative_sampling_matches_the_target_distribution(kind, tree):
 
 
 def reference_slot_mask(count, num_real, num_slots, start=0):
-  """DESIGN.md section 2, from positions: pair t sits at t; slot (a, d) at a + d."""
+  """docs/design.md section 2, from positions: pair t sits at t; slot (a, d) at a + d."""
   anchor = start + count - 1
   kinds = [("real", start + j) for j in range(num_real)] + [
     ("slot", d) for d in range(1, num_slots + 1)
