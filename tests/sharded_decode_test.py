@@ -5,18 +5,11 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pspec_jax import decode, llama, sharding, testing
+from pspec_jax import decode, sharding, testing
 
 # Widths that every mesh axis divides, so heads, MLP and vocabulary are really split.
-WIDE = llama.LlamaConfig(
-  name="wide",
-  vocab_size=64,
-  hidden_size=64,
-  intermediate_size=128,
-  num_layers=2,
-  num_heads=8,
-  num_kv_heads=4,
-  max_position_embeddings=256,
+WIDE = testing.TINY.replace(
+  name="wide", vocab_size=64, hidden_size=64, intermediate_size=128, num_heads=8, num_kv_heads=4
 )
 
 

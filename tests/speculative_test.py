@@ -443,15 +443,51 @@ def test_a_round_without_a_lookup_match_verifies_the_drafted_tree_alone(target):
 # --- gated trees -------------------------------------------------------------------------------
 
 
+def gate_cuts(target, drafter, cfg):
+  """Per round of greedy decoding of PROMPTS: [B] masks of the active sequences, of those whose
+  gate cut some of their drafted nodes, and of those whose gate cut all of them."""
+  pool = decode.pool_tree(cfg, drafter)
+  tokens, lengths = testing.padded(testing.PROMPTS)
+  state = decode._init_jit(target, tokens, lengths, jax.random.key(0), cfg, drafter)
+  rounds = []
+  while not bool(state.done.all()):
+    node_logp = state.node_logp
+    if pool.budget:
+      kept, tree = tree_lib.select_dynamic(pool, node_logp)
+      node_logp = jnp.take_along_axis(node_logp, kept, axis=1)
+    else:
+      tree = tree_lib.batched(pool, node_logp.shape[0])
+    links = np.asarray((tree.children >= 0).sum((1, 2)))
+    gated = tree_lib.gated(tree, node_logp, pool.min_prob)
+    left = np.asarray((gated.children >= 0).sum((1, 2)))
+    active = ~np.asarray(state.done)
+    rounds.append((active, active & (left < links), active & (left == 0)))
+    state = decode._round_jit(target, state, cfg, drafter)
+  return rounds
+
+
 @pytest.mark.parametrize("kind", ["pspec", "eagle", "medusa"])
 @pytest.mark.parametrize(
-  # These random drafters' depth-1 confidence spreads around 0.076: rounds gate some sequences'
-  # drafts, all of them, or none.
-  "tree",
-  ["sparse8+min:0.076", "paths:0/1/0.0+min:0.076+lookup:3", "dynamic:6+min:0.0055"],
+  # These random drafters' depth-1 confidence spreads around 0.076: the first gate cuts some
+  # sequences' drafts in a round, the second all of them in some rounds (the pass then runs
+  # without the drafted nodes), the third none.
+  "tree,cuts",
+  [
+    ("sparse8+min:0.076", "some"),
+    ("paths:0/1/0.0+min:0.076+lookup:3", "all"),
+    ("dynamic:6+min:0.0055", "none"),
+  ],
 )
-def test_gated_trees_stay_lossless(target, kind, tree):
-  assert_greedy_lossless(target, testing.drafter_for(kind, target), tree)
+def test_gated_trees_stay_lossless(target, kind, tree, cuts):
+  drafter = testing.drafter_for(kind, target)
+  cfg, _, _ = assert_greedy_lossless(target, drafter, tree)
+  rounds = gate_cuts(target, drafter.with_head(target), cfg)
+  if cuts == "some":  # a round where some active sequences lose all their drafts, not all
+    assert any(all_cut.any() and (all_cut != active).any() for active, _, all_cut in rounds)
+  elif cuts == "all":  # a round where every active sequence loses all its drafts
+    assert any((all_cut == active).all() for active, _, all_cut in rounds)
+  else:
+    assert not any(cut.any() for _, cut, _ in rounds)
 
 
 def test_a_gated_round_leaves_unlikely_drafts_out_of_the_pass(target):
