@@ -1,4 +1,4 @@
-"""Acceptance of a verified token tree (DESIGN.md section 3, step 5).
+"""Acceptance of a verified token tree (docs/design.md section 3.5).
 
 One walk serves greedy decoding and sampling. Starting at the root, the children of the current
 node are tried in rank order:

@@ -151,7 +151,7 @@ def pad_batch(
 
 
 # ---------------------------------------------------------------------------------------------
-# Training conversations (DESIGN.md section 4): ShareGPT, self-distilled JSONL, TFDS.
+# Training conversations (docs/design.md section 4): ShareGPT, self-distilled JSONL, TFDS.
 
 ROLES = {"human": "user", "user": "user", "system": "system"}  # every other speaker: assistant
 DATA_FORMAT = 2  # bump when the tokenised cache layout changes

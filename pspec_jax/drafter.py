@@ -1,4 +1,4 @@
-"""Drafters: what proposes the token tree each round (DESIGN.md sections 2 and 3).
+"""Drafters: what proposes the token tree each round (docs/design.md sections 2 and 5).
 
 Every kind reads the target through its features f_t and shares the target's embedding and LM
 head (passed in at apply time, never part of the drafter's parameters):

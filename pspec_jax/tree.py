@@ -1,4 +1,4 @@
-"""Token trees for one verification pass (DESIGN.md section 3, step 3).
+"""Token trees for one verification pass (docs/design.md section 3.3).
 
 A tree is a set of *rank paths*, Medusa style: `(0,)` is the drafter's most probable token at
 depth 1, `(1,)` its second, `(0, 2)` the third candidate at depth 2 below the first one, and so

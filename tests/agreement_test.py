@@ -96,19 +96,19 @@ def test_depth1_overlap_is_the_decoders_acceptance_probability(kind):
   """1 - TV(p, q) of the first drafted token, teacher-forced, from the distributions the decoder
   draws and verifies the first round's draft with (a restricted draft vocabulary included)."""
   import jax.numpy as jnp
-  from tiny_models import drafter_for, make_target, padded
 
   from pspec_jax import drafter as drafter_lib
+  from pspec_jax import testing
   from pspec_jax.sampling import SamplingConfig, filtered_logits
 
-  target = make_target(5.0)
-  drafter = drafter_for(kind, target).with_head(target)
+  target = testing.make_target(5.0)
+  drafter = testing.drafter_for(kind, target).with_head(target)
   if kind == "medusa":  # the draft vocabulary: the first 12 of 16 tokens
     drafter = drafter_lib.random_drafter(kind, target, jax.random.key(1), draft_vocab_size=12)
   sampling = SamplingConfig(temperature=0.8, top_k=9)
   prompt = [5, 9, 2, 13, 7]
   cfg = decode.DecodeConfig(max_new_tokens=2, sampling=sampling, tree="chain")
-  tokens, lengths = padded([prompt])
+  tokens, lengths = testing.padded([prompt])
   plan = decode.make_plan(cfg, drafter, tokens.shape[1])
   state = decode.init(plan, target, drafter, tokens, lengths, jax.random.key(0))
   bonus = int(state.tokens[0, len(prompt)])

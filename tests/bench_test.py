@@ -11,10 +11,9 @@ import jax
 import pytest
 
 from infer import bench, measure, report
-from pspec_jax import data, decode, drafter_files
+from pspec_jax import data, decode, drafter_files, testing
 from pspec_jax import tree as tree_lib
 from pspec_jax.sampling import SamplingConfig
-from tests.tiny_models import drafter_for, make_target
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROW_KEYS = {
@@ -45,8 +44,8 @@ def config(**overrides):
 
 
 def test_settings_cover_every_combination_and_say_what_was_left_out():
-  target = make_target(1.0)
-  drafters = {k: drafter_for(k, target, num_draft=3) for k in ("pld", "pspec")}
+  target = testing.make_target(1.0)
+  drafters = {k: testing.drafter_for(k, target, num_draft=3) for k in ("pld", "pspec")}
   c = config(
     methods="pspec,hf,pld",
     datasets="mt_bench,humaneval",
@@ -72,8 +71,8 @@ def test_settings_cover_every_combination_and_say_what_was_left_out():
 
 def test_a_k_that_a_tree_of_fixed_depth_ignores_is_left_out_with_the_reason():
   """Before, the row said K=2 while the rank paths decoded exactly as with the drafter's K."""
-  target = make_target(1.0)
-  drafters = {"pspec": drafter_for("pspec", target, num_draft=3)}
+  target = testing.make_target(1.0)
+  drafters = {"pspec": testing.drafter_for("pspec", target, num_draft=3)}
   c = config(methods="pspec", num_draft="2,3", tree="paths:0/1,chain")
   settings, skipped = bench.settings_of(c, target, drafters)
   pspec = {(s.num_draft, s.tree) for s in settings if s.method == "pspec"}
@@ -82,8 +81,8 @@ def test_a_k_that_a_tree_of_fixed_depth_ignores_is_left_out_with_the_reason():
 
 
 def test_each_drafter_decodes_with_its_own_tree_per_temperature():
-  target = make_target(1.0)
-  pspec = drafter_for("pspec", target, num_draft=3)
+  target = testing.make_target(1.0)
+  pspec = testing.drafter_for("pspec", target, num_draft=3)
   pspec = pspec.replace(cfg=pspec.cfg.replace(tree="paths:0", sampling_tree="chain"))
   settings, _ = bench.settings_of(
     config(methods="pspec", temperature="0,1"), target, {"pspec": pspec}
@@ -101,8 +100,8 @@ def test_each_drafter_decodes_with_its_own_tree_per_temperature():
 
 
 def test_both_acceptance_rules_in_one_run_where_the_rule_matters():
-  target = make_target(1.0)
-  drafters = {k: drafter_for(k, target, num_draft=3) for k in ("pld", "pspec")}
+  target = testing.make_target(1.0)
+  drafters = {k: testing.drafter_for(k, target, num_draft=3) for k in ("pld", "pspec")}
   c = config(methods="pld,pspec", temperature="0,1", tree="chain", drafts="sampled,top_k")
   settings, _ = bench.settings_of(c, target, drafters)
   rules = {(s.method, s.temperature): set() for s in settings}
@@ -138,7 +137,7 @@ BAD_SETTINGS = [
 
 @pytest.mark.parametrize("overrides,message", BAD_SETTINGS)
 def test_bad_settings_are_one_clear_error(overrides, message):
-  target = make_target(1.0)
+  target = testing.make_target(1.0)
   with pytest.raises(ValueError, match=re.escape(message)):
     bench.settings_of(config(**overrides), target, {})
 
@@ -174,9 +173,9 @@ def test_rows_pool_tau_and_check_losslessness_only_when_greedy():
 
 
 def test_rows_and_report_count_how_often_each_adaptive_candidate_was_chosen():
-  target = make_target(5.0)
+  target = testing.make_target(5.0)
   cfg = decode.DecodeConfig(max_new_tokens=12, tree="adaptive:paths:0|lookup:3")
-  run = measure.OurMethod(target, drafter_for("pspec", target), cfg, pad_id=0)
+  run = measure.OurMethod(target, testing.drafter_for("pspec", target), cfg, pad_id=0)
   outcomes = [run([[5, 9, 2, 13, 7], [1, 2]], jax.random.key(0)), run([[6]], jax.random.key(1))]
   assert list(outcomes[0].chosen) == ["paths:", "paths:0", "lookup:3"]
   spec = measure.Setting("pspec", "mt_bench", 0.0, 2, 4, cfg.tree)
@@ -296,9 +295,7 @@ def test_a_real_run_writes_results_report_and_plots(tmp_path):
 
 @pytest.mark.parametrize("prompt_lookup", [False, True])
 def test_hf_generate_samples_reproducibly_from_the_key(tmp_path, prompt_lookup):
-  from llama_test import HF_CONFIGS, save_hf_llama
-
-  save_hf_llama(tmp_path, **HF_CONFIGS["gqa_untied"])
+  testing.save_hf_llama(tmp_path, **testing.HF_CONFIGS["gqa_untied"])
   cfg = decode.DecodeConfig(
     max_new_tokens=12, sampling=SamplingConfig(temperature=1.0), eos_ids=(95,)
   )
@@ -370,9 +367,8 @@ def test_dry_run_on_its_hardware_compiles_sharded_decoding(tmp_path, monkeypatch
   from infer import plan
   from pspec_jax import drafter as drafter_lib
   from pspec_jax import llama, sharding
-  from tests.tiny_models import TINY
 
-  target = TINY.replace(scan_layers=False)
+  target = testing.TINY.replace(scan_layers=False)
   pspec = drafter_lib.DrafterConfig.for_target("pspec", target, num_draft=4)
   mesh = sharding.make_mesh(data=2, tensor=4)
 

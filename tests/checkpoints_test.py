@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from llama_test import HF_CONFIGS, save_hf_llama
 
-from pspec_jax import checkpoints, data, decode
+from pspec_jax import checkpoints, data, decode, testing
 
 PROMPTS = [
   "What is the capital of France?",
@@ -88,7 +87,7 @@ def test_embedded_default_resolves_without_importing_its_package():
 
 @pytest.fixture
 def hf_dir(tmp_path):
-  save_hf_llama(tmp_path, **HF_CONFIGS["gqa_untied"])
+  testing.save_hf_llama(tmp_path, **testing.HF_CONFIGS["gqa_untied"])
   return tmp_path
 
 

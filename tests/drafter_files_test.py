@@ -9,16 +9,15 @@ import numpy as np
 import pytest
 from flax import traverse_util
 from safetensors.numpy import load_file, save_file
-from tiny_models import PROMPTS, TINY, make_target, padded
 
-from pspec_jax import decode, drafter_files, llama, sampling
+from pspec_jax import decode, drafter_files, llama, sampling, testing
 from pspec_jax import drafter as drafter_lib
 from pspec_jax import tree as tree_lib
 
 
 @pytest.fixture(scope="module")
 def target():
-  return make_target(5.0)
+  return testing.make_target(5.0)
 
 
 # Every kind, with settings away from the defaults so that a field dropped on the way shows.
@@ -76,7 +75,7 @@ def test_save_then_load_round_trips(target, tmp_path, kind):
     np.testing.assert_array_equal(restored[name], value, err_msg=name)
   # Greedy output is the target's whatever the drafter; rounds and acceptance are the drafter's.
   cfg = decode.DecodeConfig(max_new_tokens=12)
-  tokens, lengths = padded(PROMPTS)
+  tokens, lengths = testing.padded(testing.PROMPTS)
   want = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter)
   got = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, loaded)
   for field in ("tokens", "lengths", "rounds", "accepted_per_depth"):
@@ -171,7 +170,7 @@ def saved(target, tmp_path):
 )
 def test_loading_for_another_target_is_refused(saved, changes):
   # Only the target's config is read: abstract parameters will do.
-  cfg = TINY.replace(**changes)
+  cfg = testing.TINY.replace(**changes)
   other = llama.Target(
     cfg=cfg, params=jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0)))
   )

@@ -9,9 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_models import PROMPTS, TINY, make_target, padded
 
-from pspec_jax import decode
+from pspec_jax import decode, testing
 from pspec_jax import drafter as drafter_lib
 from pspec_jax import tree as tree_lib
 from pspec_jax.kv_cache import KVCache
@@ -89,7 +88,7 @@ def run_to_completion(target, drafter, tokens, lengths, cfg):
 
 @pytest.fixture(scope="module")
 def target():
-  return make_target(5.0)
+  return testing.make_target(5.0)
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +105,7 @@ def final_states(target):
         # Scaled up, this random pspec drafter gets some paths accepted on this target.
         drafter = drafter_lib.random_drafter("pspec", target, jax.random.key(3), num_draft=4)
         drafter = drafter.replace(params=jax.tree.map(lambda x: 10.0 * x, drafter.params))
-      state = run_to_completion(target, drafter, *padded(PROMPTS), DECODE_CFG)
+      state = run_to_completion(target, drafter, *testing.padded(testing.PROMPTS), DECODE_CFG)
       states[kind] = (jax.device_get(state), drafter)
     return states[kind]
 
@@ -247,7 +246,7 @@ def commit_inputs():
 def test_commit_copies_the_accepted_path_into_contiguous_slots(max_new_tokens, eos_ids, kept, done):
   state, verified = commit_inputs()
   # The drafter only names the tree here; commit never calls it.
-  pld = drafter_lib.DrafterConfig.for_target("pld", TINY, num_draft=3, tree=COMMIT_TREE)
+  pld = drafter_lib.DrafterConfig.for_target("pld", testing.TINY, num_draft=3, tree=COMMIT_TREE)
   cfg = decode.DecodeConfig(max_new_tokens=max_new_tokens, eos_ids=eos_ids)
   new_state, pairs = decode.commit(
     decode.make_plan(cfg, drafter_lib.Drafter(cfg=pld, params={}), WIDTH), state, verified

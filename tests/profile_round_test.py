@@ -10,13 +10,14 @@ import pytest
 
 from configs import common
 from infer import measure, profile_round
-from pspec_jax import decode
-from tests.tiny_models import TINY, drafter_for
+from pspec_jax import decode, testing
 
 # The decoding tests' tiny architecture with a larger vocabulary; a test ties its head, which
 # the random target unties.
 _NOT_ARCHITECTURE = ("name", "scan_layers", "weight_layout", "dtype", "param_dtype")
-TINY_ARCH = {k: v for k, v in dataclasses.asdict(TINY).items() if k not in _NOT_ARCHITECTURE}
+TINY_ARCH = {
+  k: v for k, v in dataclasses.asdict(testing.TINY).items() if k not in _NOT_ARCHITECTURE
+}
 TINY_ARCH["vocab_size"] = 64
 
 
@@ -44,7 +45,7 @@ def test_a_random_target_profiles_round_parts_loop_and_step(monkeypatch):
   assert {x.dtype for x in jax.tree.leaves(target.params)} == {jnp.dtype(jnp.bfloat16)}
   # A tied head is its own [D, V] copy, as the decoding programs load real targets.
   assert not target.cfg.tie_embeddings and target.params["lm_head"].shape == (32, 64)
-  drafter = drafter_for("pspec", target, num_draft=2)
+  drafter = testing.drafter_for("pspec", target, num_draft=2)
   cfg = decode.DecodeConfig(max_new_tokens=9, num_draft=2, tree="chain")
 
   ms, rounds = measure.phase_split(target, drafter, prompts, cfg)

@@ -9,9 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.stats
-from tiny_models import TINY, drafter_for, make_target, padded
 
-from pspec_jax import accept, decode
+from pspec_jax import accept, decode, testing
 from pspec_jax import drafter as drafter_lib
 from pspec_jax import tree as tree_lib
 from pspec_jax.sampling import SamplingConfig, filtered_logits
@@ -175,13 +174,13 @@ def test_sibling_draws_are_without_replacement_and_follow_q():
 
 @pytest.fixture(scope="module")
 def target():
-  return make_target(5.0)
+  return testing.make_target(5.0)
 
 
 @pytest.mark.parametrize("kind", ["pspec", "eagle", "medusa"])
 def test_drafted_trees_have_distinct_siblings(target, kind):
   pool = tree_lib.parse("sparse16", 4)
-  drafter = drafter_for(kind, target)
+  drafter = testing.drafter_for(kind, target)
   batch = 64
   pairs = drafter_lib.Pairs(
     tokens=jnp.tile(jnp.asarray([[4, 11, 6]]), (batch, 1)),
@@ -209,7 +208,7 @@ def test_drafted_trees_have_distinct_siblings(target, kind):
 
 # --- whole decodes against the target's exact distribution --------------------------------------
 
-SAMPLING_TINY = TINY.replace(vocab_size=6, max_position_embeddings=64)
+SAMPLING_TINY = testing.TINY.replace(vocab_size=6, max_position_embeddings=64)
 NUM_SAMPLES = 24000
 PROMPT = [1, 2, 1, 2, 1]
 LENGTH = 4
@@ -270,7 +269,7 @@ def oracle_proposer(sampling):
 
 
 def sample_many(target, drafter, cfg, batch):
-  tokens, lengths = padded([PROMPT] * batch, width=8)
+  tokens, lengths = testing.padded([PROMPT] * batch, width=8)
 
   @jax.jit
   def one(key):
@@ -316,9 +315,9 @@ T1_TOP_K_P = SamplingConfig(temperature=1.0, top_k=4, top_p=0.9)
   ],
 )
 def test_drafts_from_a_poor_drafter_keep_the_target_distribution(kind, tree, sampling, batch):
-  target = make_target(2.0, seed=3, cfg=SAMPLING_TINY)
+  target = testing.make_target(2.0, seed=3, cfg=SAMPLING_TINY)
   cfg = decode.DecodeConfig(max_new_tokens=LENGTH, sampling=sampling, num_draft=3, tree=tree)
-  drafter = drafter_for(kind, target, num_draft=3, seed=7)
+  drafter = testing.drafter_for(kind, target, num_draft=3, seed=7)
   assert decode.make_plan(cfg, drafter, 8).drawn
   samples, tau, _ = sample_many(target, drafter, cfg, batch)
   assert tau > 1.1  # drafts do get accepted
@@ -330,10 +329,10 @@ def test_drafts_from_a_poor_drafter_keep_the_target_distribution(kind, tree, sam
   "tree,sampling,batch", [("chain", T07_TOP_P, 1), ("sparse8", T1_TOP_K_P, 4)]
 )
 def test_a_drafter_equal_to_the_target_is_always_accepted(monkeypatch, tree, sampling, batch):
-  target = make_target(2.0, seed=3, cfg=SAMPLING_TINY)
+  target = testing.make_target(2.0, seed=3, cfg=SAMPLING_TINY)
   monkeypatch.setitem(drafter_lib.PROPOSERS, "eagle", oracle_proposer(sampling))
   cfg = decode.DecodeConfig(max_new_tokens=LENGTH, sampling=sampling, num_draft=3, tree=tree)
-  drafter = drafter_for("eagle", target, num_draft=3, seed=7)
+  drafter = testing.drafter_for("eagle", target, num_draft=3, seed=7)
   samples, tau, depth1 = sample_many(target, drafter, cfg, batch)
   # One round takes every remaining token: the draft is accepted whatever the target samples.
   assert depth1 > 0.995 and tau > LENGTH - 1 - 0.02, (depth1, tau)
@@ -342,14 +341,14 @@ def test_a_drafter_equal_to_the_target_is_always_accepted(monkeypatch, tree, sam
 
 
 def test_top_k_drafts_stay_selectable_and_greedy_ignores_the_rule(target):
-  tokens, lengths = padded([[5, 9, 2, 13, 7], [1, 2]])
-  drafter = drafter_for("pspec", target)
+  tokens, lengths = testing.padded([[5, 9, 2, 13, 7], [1, 2]])
+  drafter = testing.drafter_for("pspec", target)
   sampling = decode.DecodeConfig(sampling=T1, drafts="top_k", tree="chain")
   drawn = lambda cfg, drafter: decode.make_plan(cfg, drafter, 8).drawn
   assert not drawn(sampling, drafter)
   assert drawn(decode.DecodeConfig(sampling=T1, tree="chain"), drafter)
   assert not drawn(decode.DecodeConfig(sampling=T1, tree="lookup:3"), drafter)
-  assert not drawn(decode.DecodeConfig(sampling=T1), drafter_for("pld", target))
+  assert not drawn(decode.DecodeConfig(sampling=T1), testing.drafter_for("pld", target))
   greedy = [decode.DecodeConfig(max_new_tokens=12, drafts=d) for d in decode.DRAFTS]
   outs = [decode.generate(target, tokens, lengths, jax.random.key(0), c, drafter) for c in greedy]
   assert outs[0].tokens.tolist() == outs[1].tokens.tolist()

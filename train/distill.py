@@ -1,4 +1,4 @@
-r"""Train a drafter by distillation from its frozen target (DESIGN.md section 4).
+r"""Train a drafter by distillation from its frozen target (docs/design.md section 4).
 
   python -m train.distill --config=configs/smollm2_135m.py --workdir=workdirs/smollm2_pspec
   python -m train.distill --config=configs/llama2_13b.py --workdir=gs://bucket/run
