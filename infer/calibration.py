@@ -90,6 +90,7 @@ def measure(target, drafter, pool, batch: int, ids: list[int], repeats: int = 15
 
   from pspec_jax import adaptive, cli, data, decode
   from pspec_jax import drafter as drafter_lib
+  from pspec_jax import propose as propose_lib
   from pspec_jax import tree as tree_lib
 
   tokens, lengths = data.pad_batch([ids] * batch)
@@ -120,15 +121,15 @@ def measure(target, drafter, pool, batch: int, ids: list[int], repeats: int = 15
     verify_ms[n] = median_ms(verify, target, init(target, tokens, lengths, key, cfg, d), cfg, d)
   # The drafter's pass per candidate, on pairs as wide as a round of the union tree gives.
   width = pool.max_depth + 1
-  pairs = drafter_lib.Pairs(
+  pairs = propose_lib.Pairs(
     tokens=jnp.ones((batch, width), jnp.int32),
     features=jnp.ones((batch, width, target.cfg.hidden_size), target.cfg.dtype),
     count=jnp.ones((batch,), jnp.int32),
   )
   state = init(target, tokens, lengths, key, base, drafter)
-  feed = jax.jit(drafter_lib.feed)
+  feed = jax.jit(propose_lib.feed)
   feed_ms = median_ms(feed, drafter, target, state.drafter_cache, pairs)
-  propose = jax.jit(drafter_lib.propose, static_argnames="pool")
+  propose = jax.jit(propose_lib.propose, static_argnames="pool")
   context = (state.tokens, state.num_tokens)
   draft_ms = []
   for cand in pool.candidates:

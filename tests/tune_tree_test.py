@@ -13,7 +13,7 @@ from tiny_models import PROMPTS, drafter_for, make_target, padded
 
 from infer import tune_tree
 from pspec_jax import decode, drafter_files
-from pspec_jax import drafter as drafter_lib
+from pspec_jax import propose as propose_lib
 from pspec_jax import tree as tree_lib
 
 
@@ -34,7 +34,7 @@ def flawed_oracle(reference_BW):
     flawed = (index * 7 + jnp.arange(pool.depth) * 3) % 5 == 0
     candidates = jnp.stack([jnp.where(flawed, wrong, right), jnp.where(flawed, right, wrong)], -1)
     logp = jnp.log(jnp.asarray([0.7, 0.3]))
-    return cache, drafter_lib._nodes_from_candidates(candidates, logp + 0 * candidates, pool)
+    return cache, propose_lib._nodes_from_candidates(candidates, logp + 0 * candidates, pool)
 
   return propose
 
@@ -48,7 +48,7 @@ def test_acceptance_rates_count_what_decoding_accepts(target, monkeypatch, pool)
   for row, prompt in enumerate(PROMPTS):
     full[row, : len(prompt)] = prompt
     full[row, len(prompt) : len(prompt) + 24] = reference.tokens[row]
-  monkeypatch.setitem(drafter_lib.PROPOSERS, "pld", flawed_oracle(jnp.asarray(full)))
+  monkeypatch.setitem(propose_lib.PROPOSERS, "pld", flawed_oracle(jnp.asarray(full)))
   jax.clear_caches()  # jitted decoding traced by earlier tests holds the real pld proposer
   drafter = drafter_for("pld", target)
   rates, rounds = tune_tree.acceptance_rates(target, drafter, PROMPTS, cfg, batch_size=4)
