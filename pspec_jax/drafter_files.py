@@ -17,9 +17,9 @@ import numpy as np
 from flax import traverse_util
 
 from pspec_jax import tree as tree_lib
-from pspec_jax.checkpoints import read_safetensors
 from pspec_jax.drafter import KINDS, Drafter, DrafterConfig, init_params, random_drafter
 from pspec_jax.llama import LlamaConfig, RopeScaling, Target
+from pspec_jax.weights import read_safetensors
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "drafter.json"

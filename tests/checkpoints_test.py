@@ -15,7 +15,7 @@ import torch
 import transformers
 from llama_test import HF_CONFIGS, save_hf_llama
 
-from pspec_jax import checkpoints, data, decode
+from pspec_jax import checkpoints, data, decode, weights
 
 PROMPTS = [
   "What is the capital of France?",
@@ -78,7 +78,7 @@ def test_qk_unpermute_inverts_llama_cpp_permute():
 
   w = np.arange(24 * 5, dtype=np.float32).reshape(24, 5)
   for heads in (1, 2, 3):
-    np.testing.assert_array_equal(checkpoints._unpermute_qk(llama_cpp_permute(w, heads), heads), w)
+    np.testing.assert_array_equal(weights._unpermute_qk(llama_cpp_permute(w, heads), heads), w)
 
 
 def test_embedded_default_resolves_without_importing_its_package():
@@ -215,10 +215,10 @@ def test_a_gguf_tokenizer_is_built_once_then_read_back(tmp_path, monkeypatch, sm
 def test_one_gguf_file_is_parsed_once_until_it_changes(tmp_path):
   copy = tmp_path / "model.gguf"
   shutil.copyfile(checkpoints.resolve_target("smollm2-135m-instruct").path, copy)
-  first = checkpoints._gguf_reader(str(copy))
-  assert checkpoints._gguf_reader(str(copy)) is first  # config, weights and EOS ids share it
+  first = weights.gguf_reader(str(copy))
+  assert weights.gguf_reader(str(copy)) is first  # config, weights and EOS ids share it
   os.utime(copy, ns=(0, 0))
-  assert checkpoints._gguf_reader(str(copy)) is not first
+  assert weights.gguf_reader(str(copy)) is not first
 
 
 def test_gguf_header_reads_as_the_gguf_packages_reader(tmp_path):

@@ -8,7 +8,7 @@ import torch
 import transformers
 from jax.sharding import PartitionSpec
 
-from pspec_jax import checkpoints, layers, llama, sharding
+from pspec_jax import checkpoints, layers, llama, sharding, weights
 
 HF_CONFIGS = {
   "gqa_untied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
@@ -141,7 +141,7 @@ def test_rope_inv_freq_matches_hf_llama3():
   )
   ref, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
   ours = layers.rope_inv_freq(
-    checkpoints.config_from_hf(
+    weights.config_from_hf(
       hf_cfg.to_dict()
       | {
         "architectures": ["LlamaForCausalLM"],
