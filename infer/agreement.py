@@ -140,6 +140,7 @@ def run() -> None:
   import transformers
 
   from pspec_jax import checkpoints, data, drafter_files
+  from pspec_jax import prompts as prompts_lib
 
   transformers.logging.set_verbosity_error()
   if FLAGS.method == "pld":
@@ -163,7 +164,7 @@ def run() -> None:
   for record in records:
     if max(record["tokens"]) >= target.cfg.vocab_size:
       raise ValueError(f"{FLAGS.answers}: token ids past the target's vocabulary")
-    prompt = data.encode_prompt(tokenizer, record["prompt"], chat)
+    prompt = prompts_lib.encode_prompt(tokenizer, record["prompt"], chat)
     hits = depth1_agreement(target, drafter, prompt, record["tokens"])
     if not sampling.greedy:
       overlap.append(depth1_overlap(target, drafter, prompt, record["tokens"], sampling))

@@ -98,9 +98,10 @@ class OurMethod:
     import jax
     import numpy as np
 
-    from pspec_jax import data, decode
+    from pspec_jax import decode
+    from pspec_jax import prompts as prompts_lib
 
-    tokens, lengths = data.pad_batch(batch, self.pad_id)
+    tokens, lengths = prompts_lib.pad_batch(batch, self.pad_id)
     if self.width > tokens.shape[1]:
       tokens = np.pad(
         tokens, ((0, 0), (0, self.width - tokens.shape[1])), constant_values=self.pad_id
@@ -182,7 +183,8 @@ def _values(value, kind) -> list:
 def check_config(config) -> tuple[list, list, list, list, list, list]:
   """Everything the config says that needs no model, checked the same way by a run and by
   `--dry_run`: (methods, temperatures, batch sizes, Ks, trees, draft rules)."""
-  from pspec_jax import data, decode
+  from pspec_jax import decode
+  from pspec_jax import prompts as prompts_lib
   from pspec_jax import tree as tree_lib
 
   if config.num_prompts < 1 or config.max_new_tokens < 1:
@@ -193,8 +195,8 @@ def check_config(config) -> tuple[list, list, list, list, list, list]:
   if unknown or methods == [""]:
     raise ValueError(f"unknown methods {unknown}: known are {', '.join(known)}")
   for name in _values(config.datasets, str):
-    if name not in data.PROMPT_SETS:
-      raise ValueError(f"unknown dataset {name!r}: known are {', '.join(data.PROMPT_SETS)}")
+    if name not in prompts_lib.PROMPT_SETS:
+      raise ValueError(f"unknown dataset {name!r}: known are {', '.join(prompts_lib.PROMPT_SETS)}")
   temperatures = _values(config.temperature, float)
   batch_sizes = _values(config.batch_size, int)
   ks = _values(config.num_draft, int) or [0]
@@ -341,14 +343,14 @@ def step_profile(target, ids, cfg, steps=64) -> dict:
 
 def load_prompts(config, tokenizer) -> dict[str, list[list[int]]]:
   """Encoded prompts per dataset: the first `num_prompts` of at most `max_prompt_tokens`."""
-  from pspec_jax import data
+  from pspec_jax import prompts as prompts_lib
 
   chat = tokenizer.chat_template is not None
   out = {}
   for name in _values(config.datasets, str):
-    if name not in data.PROMPT_SETS:
-      raise ValueError(f"unknown dataset {name!r}: known are {', '.join(data.PROMPT_SETS)}")
-    encoded = [data.encode_prompt(tokenizer, p, chat) for p in data.prompt_set(name)]
+    if name not in prompts_lib.PROMPT_SETS:
+      raise ValueError(f"unknown dataset {name!r}: known are {', '.join(prompts_lib.PROMPT_SETS)}")
+    encoded = [prompts_lib.encode_prompt(tokenizer, p, chat) for p in prompts_lib.prompt_set(name)]
     out[name] = [ids for ids in encoded if len(ids) <= config.max_prompt_tokens]
     out[name] = out[name][: config.num_prompts]
     if not out[name]:
@@ -361,8 +363,9 @@ def dry_run(config) -> str:
   import jax.numpy as jnp
 
   from infer import plan
-  from pspec_jax import checkpoints, data, sharding
+  from pspec_jax import checkpoints, sharding
   from pspec_jax import drafter as drafter_lib
+  from pspec_jax import prompts as prompts_lib
   from pspec_jax import tree as tree_lib
 
   check_config(config)
@@ -379,7 +382,7 @@ def dry_run(config) -> str:
   largest = max(zip(specs, trees, strict=True), key=lambda st: st[1].num_verified)[0]
   shape = dict(
     batch=max(_values(config.batch_size, int)),
-    prompt_width=data.bucket(config.max_prompt_tokens),
+    prompt_width=prompts_lib.bucket(config.max_prompt_tokens),
     max_new_tokens=config.max_new_tokens,
   )
   mesh = sharding.parse_mesh(config.mesh)
@@ -442,7 +445,8 @@ def run(config, progress=True) -> dict:
   import jax
   import transformers
 
-  from pspec_jax import checkpoints, data, decode, drafter_files, sharding
+  from pspec_jax import checkpoints, decode, drafter_files, sharding
+  from pspec_jax import prompts as prompts_lib
 
   transformers.logging.set_verbosity_error()
   transformers.logging.disable_progress_bar()
@@ -509,7 +513,7 @@ def run(config, progress=True) -> dict:
         dtype=config.dtype,
       )
     else:
-      width = data.bucket(max(map(len, prompts[s.dataset])))
+      width = prompts_lib.bucket(max(map(len, prompts[s.dataset])))
       cfg = decode_config(s)
       cfg = dataclasses.replace(cfg, costs=costs(s, cfg))
       runners[s] = OurMethod(target, drafters.get(s.method), cfg, pad_id, width)

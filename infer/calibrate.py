@@ -21,7 +21,8 @@ def run():
   import transformers
 
   from infer import calibration
-  from pspec_jax import checkpoints, data, decode, drafter_files
+  from pspec_jax import checkpoints, decode, drafter_files
+  from pspec_jax import prompts as prompts_lib
 
   if FLAGS.batch_size < 1:
     raise ValueError(f"--batch_size must be >= 1, got {FLAGS.batch_size}")
@@ -29,8 +30,8 @@ def run():
   dtype = jax.numpy.dtype(FLAGS.dtype)
   tokenizer = checkpoints.load_tokenizer(FLAGS.target)
   # The first MT-Bench question is the context the rounds are timed at.
-  prompt = data.prompt_set("mt_bench", 1)[0]
-  ids = data.encode_prompt(tokenizer, prompt, tokenizer.chat_template is not None)
+  prompt = prompts_lib.prompt_set("mt_bench", 1)[0]
+  ids = prompts_lib.encode_prompt(tokenizer, prompt, tokenizer.chat_template is not None)
   target = checkpoints.load_target(
     FLAGS.target, dtype=dtype, param_dtype=dtype, scan_layers=False, untie_head=True
   )

@@ -88,12 +88,13 @@ def measure(target, drafter, pool, batch: int, ids: list[int], repeats: int = 15
   import jax
   import jax.numpy as jnp
 
-  from pspec_jax import adaptive, cli, data, decode
+  from pspec_jax import adaptive, cli, decode
   from pspec_jax import drafter as drafter_lib
+  from pspec_jax import prompts as prompts_lib
   from pspec_jax import propose as propose_lib
   from pspec_jax import tree as tree_lib
 
-  tokens, lengths = data.pad_batch([ids] * batch)
+  tokens, lengths = prompts_lib.pad_batch([ids] * batch)
   key = jax.random.key(0)
   drafter = drafter.with_head(target)
   base = decode.DecodeConfig(max_new_tokens=pool.max_depth + 8)

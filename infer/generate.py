@@ -27,7 +27,7 @@ FLAGS = flags.FLAGS
 
 
 def _prompts() -> list[str]:
-  from pspec_jax import data
+  from pspec_jax import prompts as prompts_lib
 
   if (FLAGS.prompt is None) == (FLAGS.prompts is None):
     raise ValueError("give exactly one of --prompt and --prompts")
@@ -35,7 +35,7 @@ def _prompts() -> list[str]:
     raise ValueError(f"--num_prompts must be >= 0, got {FLAGS.num_prompts}")
   if FLAGS.prompt is not None:
     return [FLAGS.prompt]
-  return data.prompts_from(FLAGS.prompts, FLAGS.num_prompts)
+  return prompts_lib.prompts_from(FLAGS.prompts, FLAGS.num_prompts)
 
 
 def run() -> None:
@@ -43,7 +43,8 @@ def run() -> None:
   import numpy as np
   import transformers
 
-  from pspec_jax import checkpoints, data, decode, drafter_files, sharding
+  from pspec_jax import checkpoints, decode, drafter_files, sharding
+  from pspec_jax import prompts as prompts_lib
   from pspec_jax import tree as tree_lib
   from pspec_jax.sampling import SamplingConfig
 
@@ -64,7 +65,7 @@ def run() -> None:
   )
   tokenizer = checkpoints.load_tokenizer(FLAGS.target)
   chat = FLAGS.chat if FLAGS.chat is not None else tokenizer.chat_template is not None
-  encoded = [data.encode_prompt(tokenizer, p, chat) for p in prompts]
+  encoded = [prompts_lib.encode_prompt(tokenizer, p, chat) for p in prompts]
   target = checkpoints.load_target(
     FLAGS.target, scan_layers=False, untie_head=True, weight_layout="decode", mesh=mesh
   )
@@ -99,7 +100,7 @@ def run() -> None:
   total = dict(tokens=0, drafted=0, rounds=0, seconds=0.0, compile_seconds=0.0)
   for start in range(0, len(prompts), FLAGS.batch_size):
     batch = encoded[start : start + FLAGS.batch_size]
-    tokens, lengths = data.pad_batch(batch, max_width=max_width)
+    tokens, lengths = prompts_lib.pad_batch(batch, max_width=max_width)
     key, batch_key = jax.random.split(key)
     began = time.perf_counter()
     if live:

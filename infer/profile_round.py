@@ -34,7 +34,8 @@ def phase_split(target, drafter, prompts, cfg):
   """Median ms per round of each phase over every round of every prompt (after warm-up)."""
   import jax
 
-  from pspec_jax import data, decode
+  from pspec_jax import decode
+  from pspec_jax import prompts as prompts_lib
 
   init = jax.jit(decode.init, static_argnames="cfg")
   verify = jax.jit(decode.verify, static_argnames="cfg")
@@ -45,7 +46,7 @@ def phase_split(target, drafter, prompts, cfg):
   times = {"draft": [], "verify": [], "accept+commit": []}
   for warm_up in (True, False):
     for ids in prompts[:1] if warm_up else prompts:
-      tokens, lengths = data.pad_batch([ids])
+      tokens, lengths = prompts_lib.pad_batch([ids])
       state = init(target, tokens, lengths, jax.random.key(0), cfg, drafter)
       while not bool(state.done.all()):
         verified, t_verify = cli.timed(verify, target, state, cfg, drafter)
@@ -64,9 +65,10 @@ def verify_cost(target, drafter, ids, cfg, nodes, repeats):
 
   import jax
 
-  from pspec_jax import data, decode
+  from pspec_jax import decode
+  from pspec_jax import prompts as prompts_lib
 
-  tokens, lengths = data.pad_batch([ids])
+  tokens, lengths = prompts_lib.pad_batch([ids])
   key = jax.random.key(0)
 
   def median_ms(fn, *args):
@@ -121,7 +123,8 @@ def load(spec: str, dtype, weight_layout: str, num_prompts: int, prompt_tokens: 
   import numpy as np
   import transformers
 
-  from pspec_jax import checkpoints, data
+  from pspec_jax import checkpoints
+  from pspec_jax import prompts as prompts_lib
 
   if spec.startswith(RANDOM):
     target = random_target(spec.removeprefix(RANDOM), dtype, weight_layout)
@@ -130,8 +133,10 @@ def load(spec: str, dtype, weight_layout: str, num_prompts: int, prompt_tokens: 
     return target, ids, ()
   transformers.logging.set_verbosity_error()
   tokenizer = checkpoints.load_tokenizer(spec)
-  prompts = data.prompt_set("mt_bench", num_prompts)
-  encoded = [data.encode_prompt(tokenizer, p, tokenizer.chat_template is not None) for p in prompts]
+  prompts = prompts_lib.prompt_set("mt_bench", num_prompts)
+  encoded = [
+    prompts_lib.encode_prompt(tokenizer, p, tokenizer.chat_template is not None) for p in prompts
+  ]
   target = checkpoints.load_target(
     spec,
     dtype=dtype,

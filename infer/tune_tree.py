@@ -43,7 +43,8 @@ def acceptance_rates(target, drafter, prompts, cfg, batch_size):
   import jax.numpy as jnp
   import numpy as np
 
-  from pspec_jax import data, decode
+  from pspec_jax import decode
+  from pspec_jax import prompts as prompts_lib
 
   pool = decode.pool_tree(cfg, drafter)
 
@@ -64,7 +65,7 @@ def acceptance_rates(target, drafter, prompts, cfg, batch_size):
   init = jax.jit(decode.init, static_argnames="cfg")
   hits, rounds = np.zeros(pool.num_nodes, np.int64), 0
   for start in range(0, len(prompts), batch_size):
-    tokens, lengths = data.pad_batch(prompts[start : start + batch_size])
+    tokens, lengths = prompts_lib.pad_batch(prompts[start : start + batch_size])
     state = init(target, tokens, lengths, jax.random.key(0), cfg, drafter)
     while not bool(state.done.all()):
       state, hits_M, active = calibration_round(state)
@@ -82,9 +83,10 @@ def round_costs(target, ids, runs, repeats):
   """
   import jax
 
-  from pspec_jax import data, decode
+  from pspec_jax import decode
+  from pspec_jax import prompts as prompts_lib
 
-  tokens, lengths = data.pad_batch([ids])
+  tokens, lengths = prompts_lib.pad_batch([ids])
   init = jax.jit(decode.init, static_argnames="cfg")
   step = jax.jit(decode.round_step, static_argnames="cfg")
   key = jax.random.key(0)
@@ -162,9 +164,9 @@ def tune_end_to_end(
   temperature.
   """
   from infer import bench
-  from pspec_jax import data
+  from pspec_jax import prompts as prompts_lib
 
-  width = data.bucket(max(map(len, prompts)))
+  width = prompts_lib.bucket(max(map(len, prompts)))
   settings, runners = [], {}
   for t in temperatures:
     for tree in ["", *trees]:
@@ -200,8 +202,9 @@ def run():
   import jax
   import transformers
 
-  from pspec_jax import checkpoints, data, drafter_files
+  from pspec_jax import checkpoints, drafter_files
   from pspec_jax import drafter as drafter_lib
+  from pspec_jax import prompts as prompts_lib
 
   transformers.logging.set_verbosity_error()
   if FLAGS.method not in drafter_lib.KINDS:
@@ -224,7 +227,9 @@ def run():
     raise ValueError("--write needs a drafter directory (a trained drafter, not pld or random)")
   tokenizer = checkpoints.load_tokenizer(FLAGS.target)
   chat = tokenizer.chat_template is not None
-  encoded = [data.encode_prompt(tokenizer, p, chat) for p in data.prompts_from(FLAGS.prompts)]
+  encoded = [
+    prompts_lib.encode_prompt(tokenizer, p, chat) for p in prompts_lib.prompts_from(FLAGS.prompts)
+  ]
   prompts = [ids for ids in encoded if len(ids) <= FLAGS.max_prompt_tokens][: FLAGS.num_prompts]
   if not prompts:
     raise ValueError(f"no prompt of {FLAGS.prompts} fits --max_prompt_tokens")

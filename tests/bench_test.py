@@ -11,7 +11,8 @@ import jax
 import pytest
 
 from infer import bench
-from pspec_jax import data, decode, drafter_files
+from pspec_jax import decode, drafter_files
+from pspec_jax import prompts as prompts_lib
 from pspec_jax import tree as tree_lib
 from pspec_jax.sampling import SamplingConfig
 from tests.tiny_models import drafter_for, make_target
@@ -240,13 +241,13 @@ def test_report_and_plots_show_the_main_table_and_the_k_ablation(tmp_path):
 
 
 def test_prompt_sets_ship_offline():
-  assert len(data.prompt_set("mt_bench")) == 80
-  humaneval = data.prompt_set("humaneval", 3)
+  assert len(prompts_lib.prompt_set("mt_bench")) == 80
+  humaneval = prompts_lib.prompt_set("humaneval", 3)
   assert len(humaneval) == 3 and humaneval[0].startswith("from typing import List")
-  sharegpt = data.prompt_set("sharegpt", 5)
+  sharegpt = prompts_lib.prompt_set("sharegpt", 5)
   assert len(sharegpt) == 5 and all(p.strip() for p in sharegpt)
   with pytest.raises(ValueError, match="unknown prompt set 'nope'"):
-    data.prompt_set("nope")
+    prompts_lib.prompt_set("nope")
 
 
 def test_a_real_run_writes_results_report_and_plots(tmp_path):

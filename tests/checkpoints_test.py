@@ -15,7 +15,8 @@ import torch
 import transformers
 from llama_test import HF_CONFIGS, save_hf_llama
 
-from pspec_jax import checkpoints, data, decode, weights
+from pspec_jax import checkpoints, decode, weights
+from pspec_jax import prompts as prompts_lib
 
 PROMPTS = [
   "What is the capital of France?",
@@ -40,7 +41,7 @@ def test_gguf_logits_match_transformers_gguf_loading(smollm2, hf_smollm2):
   assert target.cfg.num_layers == 30 and target.cfg.hidden_size == 576
   assert target.cfg.num_kv_heads == 3 and target.cfg.tie_embeddings
   for prompt in PROMPTS[:3]:
-    ids = data.encode_prompt(tokenizer, prompt, chat=True)
+    ids = prompts_lib.encode_prompt(tokenizer, prompt, chat=True)
     with torch.no_grad():
       ref = hf_smollm2(torch.tensor([ids])).logits.numpy()[0]
     features, _ = target(jnp.asarray([ids]), jnp.arange(len(ids))[None])
@@ -53,8 +54,8 @@ def test_gguf_logits_match_transformers_gguf_loading(smollm2, hf_smollm2):
 
 def test_gguf_greedy_generations_match_transformers(smollm2, hf_smollm2):
   target, tokenizer = smollm2
-  encoded = [data.encode_prompt(tokenizer, p, chat=True) for p in PROMPTS]
-  tokens, lengths = data.pad_batch(encoded)
+  encoded = [prompts_lib.encode_prompt(tokenizer, p, chat=True) for p in PROMPTS]
+  tokens, lengths = prompts_lib.pad_batch(encoded)
   cfg = decode.DecodeConfig(max_new_tokens=24, eos_ids=(tokenizer.eos_token_id,))
   out = decode.generate(target, tokens, lengths, jax.random.key(0), cfg)
   for row, ids in enumerate(encoded):
