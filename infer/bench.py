@@ -183,9 +183,8 @@ def _values(value, kind) -> list:
 def check_config(config) -> tuple[list, list, list, list, list, list]:
   """Everything the config says that needs no model, checked the same way by a run and by
   `--dry_run`: (methods, temperatures, batch sizes, Ks, trees, draft rules)."""
-  from pspec_jax import decode
+  from pspec_jax import decode, tree_specs
   from pspec_jax import prompts as prompts_lib
-  from pspec_jax import tree as tree_lib
 
   if config.num_prompts < 1 or config.max_new_tokens < 1:
     raise ValueError("num_prompts and max_new_tokens must be >= 1")
@@ -210,7 +209,7 @@ def check_config(config) -> tuple[list, list, list, list, list, list]:
     raise ValueError("temperatures must be >= 0, batch sizes >= 1 and num_draft >= 0")
   for tree in trees:
     if tree:
-      tree_lib.parse(tree, 64)  # the spelling; depth is checked per drafter below
+      tree_specs.parse(tree, 64)  # the spelling; depth is checked per drafter below
   if config.out and os.path.exists(config.out) and not os.path.isdir(config.out):
     raise ValueError(f"out: {config.out} is a file, not a directory: give a directory")
   return methods, temperatures, batch_sizes, ks, trees, rules
@@ -218,8 +217,7 @@ def check_config(config) -> tuple[list, list, list, list, list, list]:
 
 def settings_of(config, target, drafters: dict) -> tuple[list[Setting], list[str]]:
   """Every setting the config asks for, and why any combination was left out."""
-  from pspec_jax import decode
-  from pspec_jax import tree as tree_lib
+  from pspec_jax import decode, tree_specs
 
   methods, temperatures, batch_sizes, ks, trees, rules = check_config(config)
   out, skipped = [], []
@@ -244,7 +242,7 @@ def settings_of(config, target, drafters: dict) -> tuple[list[Setting], list[str
                 skipped.append(f"{method} K={k or drafter.cfg.num_draft} tree {name}: {e}")
                 continue
               own = drafter.cfg.num_draft
-              if k and k != own and tree_lib.parse(name, k) == tree_lib.parse(name, own):
+              if k and k != own and tree_specs.parse(name, k) == tree_specs.parse(name, own):
                 # The row would say K=k and decode the drafter's own K: not a setting.
                 skipped.append(f"{method} K={k} tree {name}: the tree fixes its own depth")
                 continue
@@ -363,10 +361,9 @@ def dry_run(config) -> str:
   import jax.numpy as jnp
 
   from infer import plan
-  from pspec_jax import checkpoints, sharding
+  from pspec_jax import checkpoints, sharding, tree_specs
   from pspec_jax import drafter as drafter_lib
   from pspec_jax import prompts as prompts_lib
-  from pspec_jax import tree as tree_lib
 
   check_config(config)
   dtype = jnp.dtype(config.dtype)
@@ -378,7 +375,7 @@ def dry_run(config) -> str:
   k = max(ks) or 4
   drafters = [drafter_lib.DrafterConfig.for_target(kind, target, num_draft=k) for kind in kinds]
   specs = [t or "chain" for t in _values(config.tree, str)]
-  trees = [tree_lib.parse(t, k) for t in specs]
+  trees = [tree_specs.parse(t, k) for t in specs]
   largest = max(zip(specs, trees, strict=True), key=lambda st: st[1].num_verified)[0]
   shape = dict(
     batch=max(_values(config.batch_size, int)),

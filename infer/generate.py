@@ -43,9 +43,8 @@ def run() -> None:
   import numpy as np
   import transformers
 
-  from pspec_jax import checkpoints, decode, drafter_files, sharding
+  from pspec_jax import checkpoints, decode, drafter_files, sharding, tree_specs
   from pspec_jax import prompts as prompts_lib
-  from pspec_jax import tree as tree_lib
   from pspec_jax.sampling import SamplingConfig
 
   transformers.logging.set_verbosity_error()
@@ -55,7 +54,7 @@ def run() -> None:
   prompts = _prompts()
   # Flag errors first: they need no model.
   if FLAGS.tree:
-    tree_lib.parse(FLAGS.tree, FLAGS.num_draft or 8)
+    tree_specs.parse(FLAGS.tree, FLAGS.num_draft or 8)
   if FLAGS.num_draft is not None and FLAGS.num_draft < 1:
     raise ValueError(f"--num_draft must be >= 1, got {FLAGS.num_draft}")
   mesh = sharding.make_mesh(**sharding.parse_mesh(FLAGS.mesh)) if FLAGS.mesh else None
@@ -181,7 +180,7 @@ def summary(total: dict, method: str, tree: str, num_draft: int) -> str:
 def check_num_draft(num_draft: int | None, cfg, drafter) -> None:
   """`--num_draft` must change what is decoded: a tree that fixes its own depth (explicit
   rank paths, `lookup:L`), or plain decoding, would silently ignore it."""
-  from pspec_jax import tree as tree_lib
+  from pspec_jax import tree_specs
 
   if num_draft is None:
     return
@@ -189,7 +188,7 @@ def check_num_draft(num_draft: int | None, cfg, drafter) -> None:
     raise ValueError("--num_draft needs a drafting method (--method=pspec, eagle, medusa, pld)")
   spec = cfg.tree or drafter.cfg.tree_for(cfg.sampling.greedy)
   own = drafter.cfg.num_draft
-  if num_draft != own and tree_lib.parse(spec, num_draft) == tree_lib.parse(spec, own):
+  if num_draft != own and tree_specs.parse(spec, num_draft) == tree_specs.parse(spec, own):
     raise ValueError(
       f"--num_draft={num_draft} would change nothing: the tree {spec!r} fixes its own depth. "
       "Give a tree that K sizes (--tree=chain, sparseN or dynamic:N), or drop --num_draft"

@@ -42,7 +42,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding
 
-from pspec_jax import adaptive, sharding
+from pspec_jax import adaptive, sharding, tree_specs
 from pspec_jax import tree as tree_lib
 from pspec_jax.accept import accept
 from pspec_jax.arrays import take_rows
@@ -116,7 +116,7 @@ def pool_tree(cfg: DecodeConfig, drafter: Drafter | None) -> tree_lib.Tree:
   if drafter is None:
     return tree_lib.ROOT_ONLY
   tree = drafter.cfg.resolve_tree(cfg.tree or drafter.cfg.tree_for(cfg.sampling.greedy))
-  return tree_lib.parse(tree, cfg.num_draft or drafter.cfg.num_draft)
+  return tree_specs.parse(tree, cfg.num_draft or drafter.cfg.num_draft)
 
 
 def drawn_from_q(cfg: DecodeConfig, drafter: Drafter | None) -> bool:

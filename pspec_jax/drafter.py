@@ -27,8 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from pspec_jax import layers, panels
-from pspec_jax import tree as tree_lib
+from pspec_jax import layers, panels, tree_specs
 from pspec_jax.kv_cache import KVCache
 from pspec_jax.llama import Block, LlamaConfig, RopeScaling, Target
 
@@ -56,12 +55,12 @@ class DrafterConfig:
     kind: one of KINDS.
     num_draft: K, the draft tokens per round it was built for (pspec: K-1 mask vectors;
       medusa: K heads). Decoding may use fewer.
-    tree: the tree preset it is meant to decode with (`tree.parse`), greedy.
+    tree: the tree preset it is meant to decode with (`tree_specs.parse`), greedy.
     sampling_tree: the tree it decodes with at temperature > 0; "" is `tree`. Sampled drafts
       are accepted less often than greedy ones, so a smaller tree (or prompt lookup alone)
       can be the faster one there.
     adaptive: the candidate trees (`A|B|...`) the tree `adaptive` chooses from each round;
-      "" is `tree.ADAPTIVE`.
+      "" is `tree_specs.ADAPTIVE`.
     target_name, vocab_size, hidden_size: identity of the target (checked at load time).
     num_heads, num_kv_heads, head_dim, intermediate_size: the drafter layer's widths.
     rope_theta, rope_scaling, rms_norm_eps: as the target's.
@@ -108,7 +107,7 @@ class DrafterConfig:
       )
     for tree in (self.tree, self.sampling_tree, self.adaptive and "adaptive"):
       if tree:  # fails early on an unknown preset
-        tree_lib.parse(self.resolve_tree(tree), self.num_draft)
+        tree_specs.parse(self.resolve_tree(tree), self.num_draft)
 
   @classmethod
   def for_target(cls, kind: str, target: LlamaConfig, **overrides) -> "DrafterConfig":

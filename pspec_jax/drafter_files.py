@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from pspec_jax import tree as tree_lib
+from pspec_jax import tree_specs
 from pspec_jax.drafter import KINDS, Drafter, DrafterConfig, init_params, random_drafter
 from pspec_jax.llama import LlamaConfig, RopeScaling, Target
 from pspec_jax.weights import read_safetensors
@@ -127,7 +127,7 @@ def read_drafter_config(
         if name == "adaptive":
           spec = f"adaptive:{spec}"
         try:
-          tree_lib.parse(spec, num_draft)
+          tree_specs.parse(spec, num_draft)
         except ValueError as e:
           raise ValueError(f"{DEVICE_TREES}.{platform_name}.{name}: {e}") from None
     trees = device_trees.get(platform or jax.default_backend(), {})
@@ -221,7 +221,7 @@ def resolve_drafter(
   if method == "none":
     return None
   if method == "pld":
-    # Prompt lookup verifies its K tokens only in rounds that found a match (`tree.parse`);
+    # Prompt lookup verifies its K tokens only in rounds that found a match (`tree_specs.parse`);
     # adaptive, also K more, or none, by how often its chains were accepted.
     cfg = DrafterConfig.for_target(
       "pld",

@@ -11,9 +11,8 @@ import jax
 import pytest
 
 from infer import bench
-from pspec_jax import decode, drafter_files
+from pspec_jax import decode, drafter_files, tree_specs
 from pspec_jax import prompts as prompts_lib
-from pspec_jax import tree as tree_lib
 from pspec_jax.sampling import SamplingConfig
 from tests.tiny_models import drafter_for, make_target
 
@@ -287,7 +286,7 @@ def test_a_real_run_writes_results_report_and_plots(tmp_path):
   assert rows["pspec"]["tree"] == shipped.get("device_trees", {}).get("cpu", shipped)["tree"]
   assert rows["none"]["lossless"] is True and rows["pspec"]["lossless"] is True
   assert isinstance(rows["hf"]["lossless"], bool)
-  depth = tree_lib.parse(rows["pspec"]["tree"], rows["pspec"]["num_draft"]).max_depth
+  depth = tree_specs.parse(rows["pspec"]["tree"], rows["pspec"]["num_draft"]).max_depth
   assert rows["pspec"]["tau"] >= 1 and len(rows["pspec"]["accept_per_depth"]) == depth
   shares = [rows["pspec"][k] for k in ("draft_share", "verify_share", "commit_share")]
   assert sum(shares) == pytest.approx(1.0) and min(shares) > 0

@@ -11,9 +11,8 @@ from flax import traverse_util
 from safetensors.numpy import load_file, save_file
 from tiny_models import PROMPTS, TINY, make_target, padded
 
-from pspec_jax import decode, drafter_files, llama, sampling
+from pspec_jax import decode, drafter_files, llama, sampling, tree_specs
 from pspec_jax import drafter as drafter_lib
-from pspec_jax import tree as tree_lib
 
 
 @pytest.fixture(scope="module")
@@ -102,13 +101,13 @@ def test_decoding_takes_the_sampling_tree_above_temperature_zero(target, tmp_pat
   sampled = sampling.SamplingConfig(temperature=0.7)
   greedy_pool = decode.pool_tree(decode.DecodeConfig(), drafter)
   sampled_pool = decode.pool_tree(decode.DecodeConfig(sampling=sampled), drafter)
-  assert greedy_pool == tree_lib.parse("dynamic:5", 3)
-  assert sampled_pool == tree_lib.parse("chain", 3)
+  assert greedy_pool == tree_specs.parse("dynamic:5", 3)
+  assert sampled_pool == tree_specs.parse("chain", 3)
   # A tree asked for explicitly wins at any temperature; without a sampling tree, `tree` serves.
   explicit = decode.DecodeConfig(sampling=sampled, tree="sparse4")
-  assert decode.pool_tree(explicit, drafter) == tree_lib.parse("sparse4", 3)
+  assert decode.pool_tree(explicit, drafter) == tree_specs.parse("sparse4", 3)
   medusa = make_drafter("medusa", target)
-  assert decode.pool_tree(decode.DecodeConfig(sampling=sampled), medusa) == tree_lib.parse(
+  assert decode.pool_tree(decode.DecodeConfig(sampling=sampled), medusa) == tree_specs.parse(
     "sparse8", 4
   )
   with pytest.raises(ValueError, match="tree"):

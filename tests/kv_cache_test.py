@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from tiny_models import PROMPTS, TINY, make_target, padded
 
-from pspec_jax import decode
+from pspec_jax import decode, tree_specs
 from pspec_jax import drafter as drafter_lib
 from pspec_jax import tree as tree_lib
 from pspec_jax.kv_cache import KVCache
@@ -190,7 +190,7 @@ def bonus_token(b):
 
 def commit_inputs():
   rng = np.random.default_rng(0)
-  tree = tree_lib.parse(COMMIT_TREE, 3)
+  tree = tree_specs.parse(COMMIT_TREE, 3)
   m = tree.num_nodes
   batch = len(PATHS)
   node_tokens = np.array([[node_token(b, i) for i in range(m)] for b in range(batch)], np.int32)

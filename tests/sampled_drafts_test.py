@@ -11,9 +11,8 @@ import pytest
 import scipy.stats
 from tiny_models import TINY, drafter_for, make_target, padded
 
-from pspec_jax import accept, decode
+from pspec_jax import accept, decode, tree_specs
 from pspec_jax import propose as propose_lib
-from pspec_jax import tree as tree_lib
 from pspec_jax.sampling import SamplingConfig, filtered_logits
 
 # --- the recursive rejection step, exhaustively -----------------------------------------------
@@ -180,7 +179,7 @@ def target():
 
 @pytest.mark.parametrize("kind", ["pspec", "eagle", "medusa"])
 def test_drafted_trees_have_distinct_siblings(target, kind):
-  pool = tree_lib.parse("sparse16", 4)
+  pool = tree_specs.parse("sparse16", 4)
   drafter = drafter_for(kind, target)
   batch = 64
   pairs = propose_lib.Pairs(

@@ -7,10 +7,9 @@ import pytest
 import scipy.stats
 from tiny_models import PROMPTS, TINY, drafter_for, make_target, padded
 
-from pspec_jax import decode
+from pspec_jax import decode, tree_specs
 from pspec_jax import drafter as drafter_lib
 from pspec_jax import propose as propose_lib
-from pspec_jax import tree as tree_lib
 from pspec_jax.sampling import SamplingConfig
 
 KINDS = ("pspec", "eagle", "medusa", "pld")
@@ -65,7 +64,7 @@ def test_a_restricted_draft_vocabulary_stays_lossless_and_drafts_from_it(target,
   assert spec.tokens.tolist() == plain.tokens.tolist()
   assert spec.lengths.tolist() == plain.lengths.tolist()
   # Every drafted node is a draft-vocabulary token, with the head gathered once or per call.
-  pool = tree_lib.parse("sparse8", 4)
+  pool = tree_specs.parse("sparse8", 4)
   pairs = propose_lib.Pairs(
     tokens=jnp.asarray([[4, 11, 6]]), features=jnp.ones((1, 3, 32)), count=jnp.asarray([3])
   )
@@ -271,7 +270,7 @@ def test_slot_mask_follows_the_attention_rule():
 def test_pspec_proposals_in_chunks_equal_one_pass_with_the_reference_mask(target):
   """The cached, chunked drafter == one uncached pass over all pairs and slots."""
   drafter = drafter_for("pspec", target, num_draft=4)
-  pool = tree_lib.parse("sparse8", 4)
+  pool = tree_specs.parse("sparse8", 4)
   rng = np.random.default_rng(0)
   n = 11
   pair_tokens = rng.integers(0, 16, (1, n)).astype(np.int32)
