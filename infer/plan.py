@@ -11,9 +11,9 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
-from configs.common import HARDWARE, not_this_host, platform
 from pspec_jax import decode, llama, sharding
 from pspec_jax import drafter as drafter_lib
+from pspec_jax.presets import HARDWARE, not_this_host, platform
 
 GIB = 1024**3
 

@@ -15,7 +15,7 @@ floor (every weight a step reads, read once at the measured streaming-read bandw
 decide the tree budget on a given machine. Everything is compiled and warmed up before it is
 timed; reported times are medians.
 
-`--target=random:NAME` profiles a published architecture (`configs.common.ARCHITECTURES`:
+`--target=random:NAME` profiles a published architecture (`pspec_jax.presets.ARCHITECTURES`:
 llama2_7b, llama2_13b, llama3_8b, ...) with random weights made on the device, on random
 prompts of `--prompt_tokens` tokens: no checkpoint needed. Its rounds accept next to nothing,
 which changes what a round contains but not what its parts cost.
@@ -99,8 +99,8 @@ def random_target(name: str, dtype, weight_layout: str, seed: int = 0):
 
   import jax
 
-  from configs.common import ARCHITECTURES
   from pspec_jax import checkpoints, llama
+  from pspec_jax.presets import ARCHITECTURES
 
   if name not in ARCHITECTURES:
     raise ValueError(f"unknown architecture {name!r}: known are {', '.join(ARCHITECTURES)}")
