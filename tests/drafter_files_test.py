@@ -7,6 +7,7 @@ import os
 import jax
 import numpy as np
 import pytest
+from etils import epath
 from flax import traverse_util
 from safetensors.numpy import load_file, save_file
 from tiny_models import PROMPTS, TINY, make_target, padded
@@ -80,6 +81,41 @@ def test_save_then_load_round_trips(target, tmp_path, kind):
   got = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, loaded)
   for field in ("tokens", "lengths", "rounds", "accepted_per_depth"):
     assert getattr(got, field).tolist() == getattr(want, field).tolist(), field
+
+
+def test_save_then_load_through_epath(target, tmp_path):
+  """A drafter directory given as an `etils.epath.Path` (what a gs:// URL becomes) is written
+  and read back through epath."""
+  directory = epath.Path(tmp_path) / "export"
+  drafter = make_drafter("eagle", target)  # parameters and a draft vocabulary
+  drafter_files.save_drafter(directory, drafter)
+  loaded = drafter_files.load_drafter(directory, target)
+  assert loaded.cfg == drafter.cfg
+  assert loaded.vocab.tolist() == drafter.vocab.tolist()
+  original, restored = flat(drafter.params), flat(loaded.params)
+  assert restored.keys() == original.keys() and original
+  for name, value in original.items():
+    np.testing.assert_array_equal(restored[name], value, err_msg=name)
+
+
+def test_remote_parameters_are_read_through_a_local_copy(target, tmp_path):
+  """A parameters file behind a URL (no local file to memory-map) reads as the local one."""
+  drafter_files.save_drafter(str(tmp_path), make_drafter("eagle", target))
+  local = epath.Path(tmp_path) / drafter_files.PARAMS_FILE
+
+  class Remote:  # the part of an epath gs:// path the reader uses
+    def __fspath__(self):
+      return "gs://bucket/export/" + drafter_files.PARAMS_FILE
+
+    def read_bytes(self):
+      return local.read_bytes()
+
+  want = drafter_files._read_tensors(local)
+  got = drafter_files._read_tensors(Remote())
+  assert got.keys() == want.keys() and want
+  for name, value in want.items():
+    assert got[name].dtype == value.dtype, name
+    np.testing.assert_array_equal(got[name], value, err_msg=name)
 
 
 def test_json_records_kind_draft_length_tree_and_target(target, tmp_path):
