@@ -24,6 +24,21 @@ from pspec_jax.drafter import KINDS, Drafter, DrafterConfig, init_params, random
 from pspec_jax.llama import LlamaConfig, RopeScaling, Target
 from pspec_jax.weights import read_safetensors
 
+__all__ = [
+  "CONFIG_FILE",
+  "DEVICE_TREES",
+  "FORMAT_VERSION",
+  "PARAMS_FILE",
+  "SHIPPED_DIR",
+  "VOCAB_TENSOR",
+  "drafter_source",
+  "load_drafter",
+  "read_drafter_config",
+  "resolve_drafter",
+  "save_drafter",
+  "shipped_drafter",
+]
+
 FORMAT_VERSION = 1
 CONFIG_FILE = "drafter.json"
 PARAMS_FILE = "drafter.safetensors"
