@@ -1,5 +1,6 @@
-"""Layers shared by the target and the drafters: rotary embeddings, parameters with logical axis
-names, dense weights in either storage layout (`panels.LAYOUTS`), and RMSNorm.
+"""Layers shared by the target and the drafters: rotary embeddings, attention over cache slots,
+parameters with logical axis names, dense weights in either storage layout (`panels.LAYOUTS`),
+stacked or per-layer parameters (`LlamaConfig.scan_layers`), and RMSNorm.
 
 `cfg` is a `llama.LlamaConfig` everywhere (the drafters pass their layer's config).
 """
@@ -18,11 +19,15 @@ __all__ = [
   "DENSE_AXES",
   "RMSNorm",
   "apply_rope",
+  "cache_scores",
+  "cache_values",
   "dense",
   "dense_param",
   "param",
   "relayout",
   "rope_inv_freq",
+  "set_scan_layers",
+  "stack_layers",
 ]
 
 
@@ -55,6 +60,34 @@ def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray)
   x1, x2 = jnp.split(x, 2, axis=-1)
   rotated = jnp.concatenate([-x2, x1], axis=-1)
   return (x * cos + rotated * sin).astype(x_BTNH.dtype)
+
+
+def cache_scores(q_BTKGH, k_BSKH):
+  """q . k over cache slots: [B, T, K, G, S], reading the cache in its stored layout.
+
+  A dot with (B, K) as batch dimensions makes XLA transpose every layer's cache slice to
+  [B, K, S, H] first, a full copy per step that cost more than the weights at batch 8. Here
+  each query is spread over all K*H columns with zeros outside its own head (K times the
+  flops, nothing next to the weights at decode sizes), so the cache is read as a plain
+  [B, S, K*H] matrix.
+  """
+  b, t, k, g, h = q_BTKGH.shape
+  own = jnp.eye(k, dtype=q_BTKGH.dtype)
+  q_BQC = jnp.einsum("BTKGH,KJ->BTKGJH", q_BTKGH, own).reshape(b, t * k * g, k * h)
+  k_BSC = k_BSKH.reshape(b, k_BSKH.shape[1], k * h)
+  scores = jnp.einsum("BQC,BSC->BQS", q_BQC, k_BSC, preferred_element_type=jnp.float32)
+  return scores.reshape(b, t, k, g, -1)
+
+
+def cache_values(probs_BTKGS, v_BSKH):
+  """probs . v over cache slots: [B, T, K, G, H], the cache read as [B, S, K*H] (see above)."""
+  b, t, k, g, s = probs_BTKGS.shape
+  h = v_BSKH.shape[-1]
+  out = jnp.einsum(
+    "BQS,BSC->BQC", probs_BTKGS.reshape(b, t * k * g, s), v_BSKH.reshape(b, s, k * h)
+  )
+  own = jnp.eye(k, dtype=out.dtype)
+  return jnp.einsum("BTKGJH,KJ->BTKGH", out.reshape(b, t, k, g, k, h), own)
 
 
 def param(module, name, init, shape, axes, dtype):
@@ -125,6 +158,23 @@ def relayout(params: dict, layout: str, plain_shapes: dict) -> dict:
     return w
 
   return jax.tree_util.tree_map_with_path(move, params, plain_shapes)
+
+
+def stack_layers(layers: list[dict]) -> jax.Array:
+  """Per-layer parameter trees -> one tree with a leading layers axis (the nn.scan layout)."""
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+
+
+def set_scan_layers(params: dict, num_layers: int, scan: bool) -> dict:
+  """Converts parameters between the scanned (`layers`) and looped (`layers_{i}`) layouts."""
+  params = dict(params)
+  if scan and "layers" not in params:
+    params["layers"] = stack_layers([params.pop(f"layers_{i}") for i in range(num_layers)])
+  elif not scan and "layers" in params:
+    stacked = params.pop("layers")
+    for i in range(num_layers):
+      params[f"layers_{i}"] = jax.tree.map(lambda a, i=i: a[i], stacked)
+  return params
 
 
 class RMSNorm(nn.Module):

@@ -39,8 +39,6 @@ __all__ = [
   "Target",
   "init_boxed",
   "init_params",
-  "set_scan_layers",
-  "stack_layers",
 ]
 
 Dtype = Any
@@ -114,34 +112,6 @@ class LlamaConfig:
     return dataclasses.replace(self, **changes)
 
 
-def _cache_scores(q_BTKGH, k_BSKH):
-  """q . k over cache slots: [B, T, K, G, S], reading the cache in its stored layout.
-
-  A dot with (B, K) as batch dimensions makes XLA transpose every layer's cache slice to
-  [B, K, S, H] first, a full copy per step that cost more than the weights at batch 8. Here
-  each query is spread over all K*H columns with zeros outside its own head (K times the
-  flops, nothing next to the weights at decode sizes), so the cache is read as a plain
-  [B, S, K*H] matrix.
-  """
-  b, t, k, g, h = q_BTKGH.shape
-  own = jnp.eye(k, dtype=q_BTKGH.dtype)
-  q_BQC = jnp.einsum("BTKGH,KJ->BTKGJH", q_BTKGH, own).reshape(b, t * k * g, k * h)
-  k_BSC = k_BSKH.reshape(b, k_BSKH.shape[1], k * h)
-  scores = jnp.einsum("BQC,BSC->BQS", q_BQC, k_BSC, preferred_element_type=jnp.float32)
-  return scores.reshape(b, t, k, g, -1)
-
-
-def _cache_values(probs_BTKGS, v_BSKH):
-  """probs . v over cache slots: [B, T, K, G, H], the cache read as [B, S, K*H] (see above)."""
-  b, t, k, g, s = probs_BTKGS.shape
-  h = v_BSKH.shape[-1]
-  out = jnp.einsum(
-    "BQS,BSC->BQC", probs_BTKGS.reshape(b, t * k * g, s), v_BSKH.reshape(b, s, k * h)
-  )
-  own = jnp.eye(k, dtype=out.dtype)
-  return jnp.einsum("BTKGJH,KJ->BTKGH", out.reshape(b, t, k, g, k, h), own)
-
-
 class Attention(nn.Module):
   """Grouped-query attention over cache slots plus the new tokens."""
 
@@ -191,7 +161,7 @@ class Attention(nn.Module):
     if cache_kv is not None:
       # Keys are [cache slots..., new tokens...]; slot s is visible iff s < cache_len[b].
       k_BSKH, v_BSKH = cache_kv
-      cache_scores = _cache_scores(q_BTKGH, k_BSKH.astype(dt)) * scale
+      cache_scores = layers.cache_scores(q_BTKGH, k_BSKH.astype(dt)) * scale
       visible_BS = jnp.arange(k_BSKH.shape[1])[None, :] < cache_len_B[:, None]
       visible_BTS = jnp.broadcast_to(visible_BS[:, None, :], (b, t, k_BSKH.shape[1]))
       scores = jnp.concatenate([cache_scores, scores], axis=-1)
@@ -200,7 +170,7 @@ class Attention(nn.Module):
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
     if cache_kv is not None:
       s = k_BSKH.shape[1]
-      out = _cache_values(probs[..., :s], v_BSKH.astype(dt))
+      out = layers.cache_values(probs[..., :s], v_BSKH.astype(dt))
       out = out + jnp.einsum("BTKGU,BUKH->BTKGH", probs[..., s:], v_BTKH)
     else:
       out = jnp.einsum("BTKGU,BUKH->BTKGH", probs, v_BTKH)
@@ -354,23 +324,6 @@ class Llama(nn.Module):
     return layers.dense(self.cfg, f, self.lm_head, self.cfg.vocab_size, jnp.float32)
 
 
-def stack_layers(layers: list[dict]) -> jax.Array:
-  """Per-layer parameter trees -> one tree with a leading layers axis (the nn.scan layout)."""
-  return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
-
-
-def set_scan_layers(params: dict, num_layers: int, scan: bool) -> dict:
-  """Converts parameters between the scanned (`layers`) and looped (`layers_{i}`) layouts."""
-  params = dict(params)
-  if scan and "layers" not in params:
-    params["layers"] = stack_layers([params.pop(f"layers_{i}") for i in range(num_layers)])
-  elif not scan and "layers" in params:
-    stacked = params.pop("layers")
-    for i in range(num_layers):
-      params[f"layers_{i}"] = jax.tree.map(lambda a, i=i: a[i], stacked)
-  return params
-
-
 def init_boxed(cfg: LlamaConfig, key: jax.Array) -> dict:
   """Random parameters, each boxed with its logical axis names."""
   tokens = jnp.zeros((1, 1), jnp.int32)
@@ -397,7 +350,7 @@ class Target:
     """The same model with its layers scanned (stacked params) or looped (per-layer params)."""
     if scan == self.cfg.scan_layers:
       return self
-    params = set_scan_layers(self.params, self.cfg.num_layers, scan)
+    params = layers.set_scan_layers(self.params, self.cfg.num_layers, scan)
     return Target(cfg=self.cfg.replace(scan_layers=scan), params=params)
 
   def with_weight_layout(self, layout: str) -> "Target":

@@ -23,7 +23,8 @@ import ml_dtypes
 import numpy as np
 
 from pspec_jax import gguf_file
-from pspec_jax.llama import LlamaConfig, RopeScaling, stack_layers
+from pspec_jax.layers import stack_layers
+from pspec_jax.llama import LlamaConfig, RopeScaling
 
 __all__ = [
   "config_from_hf",
