@@ -34,6 +34,7 @@ import numpy as np
 from absl import flags
 
 from pspec_jax import checkpoints, cli, data, drafter_files, losses
+from pspec_jax import prompts as prompts_lib
 from pspec_jax.sampling import SamplingConfig, filtered_logits
 
 FLAGS = flags.FLAGS
@@ -149,7 +150,7 @@ def main() -> None:
   for record in records:
     if max(record["tokens"]) >= target.cfg.vocab_size:
       raise ValueError(f"{FLAGS.answers}: token ids past the target's vocabulary")
-    prompt = data.encode_prompt(tokenizer, record["prompt"], chat)
+    prompt = prompts_lib.encode_prompt(tokenizer, record["prompt"], chat)
     hits = depth1_agreement(target, drafter, prompt, record["tokens"])
     if not sampling.greedy:
       overlap.append(depth1_overlap(target, drafter, prompt, record["tokens"], sampling))

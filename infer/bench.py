@@ -39,8 +39,8 @@ from absl import flags
 from ml_collections import config_flags
 
 from infer import calibration, measure, plan, report
-from pspec_jax import checkpoints, cli, data, decode, drafter_files, sharding
-from pspec_jax import tree as tree_lib
+from pspec_jax import checkpoints, cli, decode, drafter_files, sharding, tree_specs
+from pspec_jax import prompts as prompts_lib
 
 
 def _values(value, kind) -> list:
@@ -65,8 +65,8 @@ def check_config(config) -> tuple[list, list, list, list, list, list]:
   if unknown or methods == [""]:
     raise ValueError(f"unknown methods {unknown}: known are {', '.join(known)}")
   for name in _values(config.datasets, str):
-    if name not in data.PROMPT_SETS:
-      raise ValueError(f"unknown dataset {name!r}: known are {', '.join(data.PROMPT_SETS)}")
+    if name not in prompts_lib.PROMPT_SETS:
+      raise ValueError(f"unknown dataset {name!r}: known are {', '.join(prompts_lib.PROMPT_SETS)}")
   temperatures = _values(config.temperature, float)
   batch_sizes = _values(config.batch_size, int)
   ks = _values(config.num_draft, int) or [0]
@@ -80,7 +80,7 @@ def check_config(config) -> tuple[list, list, list, list, list, list]:
     raise ValueError("temperatures must be >= 0, batch sizes >= 1 and num_draft >= 0")
   for tree in trees:
     if tree:
-      tree_lib.parse(tree, 64)  # the spelling; depth is checked per drafter below
+      tree_specs.parse(tree, 64)  # the spelling; depth is checked per drafter below
   if config.out and os.path.exists(config.out) and not os.path.isdir(config.out):
     raise ValueError(f"out: {config.out} is a file, not a directory: give a directory")
   return methods, temperatures, batch_sizes, ks, trees, rules
@@ -112,7 +112,7 @@ def settings_of(config, target, drafters: dict) -> tuple[list[measure.Setting], 
                 skipped.append(f"{method} K={k or drafter.cfg.num_draft} tree {name}: {e}")
                 continue
               own = drafter.cfg.num_draft
-              if k and k != own and tree_lib.parse(name, k) == tree_lib.parse(name, own):
+              if k and k != own and tree_specs.parse(name, k) == tree_specs.parse(name, own):
                 # The row would say K=k and decode the drafter's own K: not a setting.
                 skipped.append(f"{method} K={k} tree {name}: the tree fixes its own depth")
                 continue
@@ -144,7 +144,7 @@ def dry_run(config) -> str:
     num_draft=max(ks) or 4,
     trees=trees,
     batch=max(batch_sizes),
-    prompt_width=data.bucket(config.max_prompt_tokens),
+    prompt_width=prompts_lib.bucket(config.max_prompt_tokens),
     max_new_tokens=config.max_new_tokens,
     hardware=config.hardware,
     mesh=sharding.parse_mesh(config.mesh),
@@ -163,7 +163,7 @@ def run(config, progress=True) -> dict:
   prompts = {
     name: measure.encode_prompts(
       tokenizer,
-      data.prompt_set(name),
+      prompts_lib.prompt_set(name),
       source=f"dataset {name!r}",
       count=config.num_prompts,
       max_tokens=config.max_prompt_tokens,
@@ -220,7 +220,7 @@ def run(config, progress=True) -> dict:
         dtype=config.dtype,
       )
     else:
-      width = data.bucket(max(map(len, prompts[s.dataset])))
+      width = prompts_lib.bucket(max(map(len, prompts[s.dataset])))
       cfg = decode_config(s)
       cfg = dataclasses.replace(cfg, costs=costs(s, cfg))
       runners[s] = measure.OurMethod(target, drafters.get(s.method), cfg, pad_id, width)

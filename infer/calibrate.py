@@ -13,7 +13,8 @@ import jax
 from absl import flags
 
 from infer import calibration
-from pspec_jax import checkpoints, cli, data, decode, drafter_files
+from pspec_jax import checkpoints, cli, decode, drafter_files
+from pspec_jax import prompts as prompts_lib
 
 FLAGS = flags.FLAGS
 
@@ -24,8 +25,8 @@ def main():
   dtype = jax.numpy.dtype(FLAGS.dtype)
   tokenizer = checkpoints.load_tokenizer(FLAGS.target)
   # The first MT-Bench question is the context the rounds are timed at.
-  prompt = data.prompt_set("mt_bench", 1)[0]
-  ids = data.encode_prompt(tokenizer, prompt, tokenizer.chat_template is not None)
+  prompt = prompts_lib.prompt_set("mt_bench", 1)[0]
+  ids = prompts_lib.encode_prompt(tokenizer, prompt, tokenizer.chat_template is not None)
   target = checkpoints.load_target(
     FLAGS.target, dtype=dtype, param_dtype=dtype, scan_layers=False, untie_head=True
   )

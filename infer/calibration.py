@@ -31,8 +31,10 @@ import numpy as np
 
 import pspec_jax
 from infer import measure as measure_lib
-from pspec_jax import adaptive, data, decode
+from pspec_jax import adaptive, decode
 from pspec_jax import drafter as drafter_lib
+from pspec_jax import prompts as prompts_lib
+from pspec_jax import propose as propose_lib
 from pspec_jax import tree as tree_lib
 
 VERSION = 1
@@ -89,7 +91,7 @@ def measure(target, drafter, pool, batch: int, ids: list[int], repeats: int = 15
 
   Returns {candidate spec: {"costs": [without, with lookup], ...times}}.
   """
-  tokens, lengths = data.pad_batch([ids] * batch)
+  tokens, lengths = prompts_lib.pad_batch([ids] * batch)
   key = jax.random.key(0)
   drafter = drafter.with_head(target)
   base = decode.DecodeConfig(max_new_tokens=pool.max_depth + 8)
@@ -117,18 +119,18 @@ def measure(target, drafter, pool, batch: int, ids: list[int], repeats: int = 15
     verify_ms[n] = measure_lib.median_ms(decode.verify, plan, target, d, state, repeats=repeats)
   # The drafter's pass per candidate, on pairs as wide as a round of the union tree gives.
   kept = pool.max_depth + 1
-  pairs = drafter_lib.Pairs(
+  pairs = propose_lib.Pairs(
     tokens=jnp.ones((batch, kept), jnp.int32),
     features=jnp.ones((batch, kept, target.cfg.hidden_size), target.cfg.dtype),
     count=jnp.ones((batch,), jnp.int32),
   )
   plan = decode.make_plan(base, drafter, tokens.shape[1])
   state = decode.init(plan, target, drafter, tokens, lengths, key)
-  feed = jax.jit(drafter_lib.feed)
+  feed = jax.jit(propose_lib.feed)
   feed_ms = measure_lib.median_ms(
     feed, drafter, target, state.drafter_cache, pairs, repeats=repeats
   )
-  propose = jax.jit(drafter_lib.propose, static_argnames="pool")
+  propose = jax.jit(propose_lib.propose, static_argnames="pool")
   context = (state.tokens, state.num_tokens)
   draft_ms = []
   for cand in pool.candidates:

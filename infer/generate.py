@@ -24,8 +24,8 @@ import numpy as np
 from absl import flags
 
 from infer import calibration
-from pspec_jax import checkpoints, cli, data, decode, drafter_files, sharding
-from pspec_jax import tree as tree_lib
+from pspec_jax import checkpoints, cli, decode, drafter_files, sharding, tree_specs
+from pspec_jax import prompts as prompts_lib
 from pspec_jax.sampling import SamplingConfig
 
 FLAGS = flags.FLAGS
@@ -38,7 +38,7 @@ def _prompts() -> list[str]:
     raise ValueError(f"--num_prompts must be >= 0, got {FLAGS.num_prompts}")
   if FLAGS.prompt is not None:
     return [FLAGS.prompt]
-  return data.prompts_from(FLAGS.prompts, FLAGS.num_prompts)
+  return prompts_lib.prompts_from(FLAGS.prompts, FLAGS.num_prompts)
 
 
 def main() -> None:
@@ -48,7 +48,7 @@ def main() -> None:
   prompts = _prompts()
   # Flag errors first: they need no model.
   if FLAGS.tree:
-    tree_lib.parse(FLAGS.tree, FLAGS.num_draft or 8)
+    tree_specs.parse(FLAGS.tree, FLAGS.num_draft or 8)
   if FLAGS.num_draft is not None and FLAGS.num_draft < 1:
     raise ValueError(f"--num_draft must be >= 1, got {FLAGS.num_draft}")
   mesh = sharding.make_mesh(**sharding.parse_mesh(FLAGS.mesh)) if FLAGS.mesh else None
@@ -58,7 +58,7 @@ def main() -> None:
   )
   tokenizer = checkpoints.load_tokenizer(FLAGS.target)
   chat = FLAGS.chat if FLAGS.chat is not None else tokenizer.chat_template is not None
-  encoded = [data.encode_prompt(tokenizer, p, chat) for p in prompts]
+  encoded = [prompts_lib.encode_prompt(tokenizer, p, chat) for p in prompts]
   target = checkpoints.load_target(
     FLAGS.target, scan_layers=False, untie_head=True, weight_layout="decode", mesh=mesh
   )
@@ -91,7 +91,7 @@ def main() -> None:
   total = dict(tokens=0, drafted=0, rounds=0, seconds=0.0, compile_seconds=0.0)
   for start in range(0, len(prompts), FLAGS.batch_size):
     batch = encoded[start : start + FLAGS.batch_size]
-    tokens, lengths = data.pad_batch(batch, max_width=max_width)
+    tokens, lengths = prompts_lib.pad_batch(batch, max_width=max_width)
     key, batch_key = jax.random.split(key)
     began = time.perf_counter()
     if live:
@@ -178,7 +178,7 @@ def check_num_draft(num_draft: int | None, cfg, drafter) -> None:
     raise ValueError("--num_draft needs a drafting method (--method=pspec, eagle, medusa, pld)")
   spec = cfg.tree or drafter.cfg.tree_for(cfg.sampling.greedy)
   own = drafter.cfg.num_draft
-  if num_draft != own and tree_lib.parse(spec, num_draft) == tree_lib.parse(spec, own):
+  if num_draft != own and tree_specs.parse(spec, num_draft) == tree_specs.parse(spec, own):
     raise ValueError(
       f"--num_draft={num_draft} would change nothing: the tree {spec!r} fixes its own depth. "
       "Give a tree that K sizes (--tree=chain, sparseN or dynamic:N), or drop --num_draft"

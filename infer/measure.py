@@ -17,7 +17,8 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from pspec_jax import checkpoints, data, decode
+from pspec_jax import checkpoints, decode
+from pspec_jax import prompts as prompts_lib
 from pspec_jax.sampling import SamplingConfig
 
 OUR_METHODS = ("none", "pld", "medusa", "eagle", "pspec")
@@ -49,7 +50,7 @@ def encode_prompts(
   for prompt in prompts:
     if len(out) == count:
       break
-    ids = data.encode_prompt(tokenizer, prompt, chat)
+    ids = prompts_lib.encode_prompt(tokenizer, prompt, chat)
     if max_tokens is None or len(ids) <= max_tokens:
       out.append(ids)
   if not out:
@@ -108,7 +109,7 @@ class OurMethod:
     self.width = width
 
   def __call__(self, batch: list[list[int]], key) -> Outcome:
-    tokens, lengths = data.pad_batch(batch, self.pad_id)
+    tokens, lengths = prompts_lib.pad_batch(batch, self.pad_id)
     if self.width > tokens.shape[1]:
       tokens = np.pad(
         tokens, ((0, 0), (0, self.width - tokens.shape[1])), constant_values=self.pad_id
@@ -270,7 +271,7 @@ def phase_split(target, drafter, prompts, cfg):
   times = {"draft": [], "verify": [], "accept+commit": []}
   for warm_up in (True, False):
     for ids in prompts[:1] if warm_up else prompts:
-      tokens, lengths = data.pad_batch([ids])
+      tokens, lengths = prompts_lib.pad_batch([ids])
       plan = decode.make_plan(cfg, drafter, tokens.shape[1])
       state = decode.init(plan, target, drafter, tokens, lengths, jax.random.key(0))
       while not bool(state.done.all()):

@@ -11,10 +11,9 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
-from configs.common import HARDWARE, not_this_host, platform
-from pspec_jax import decode, llama, sharding
+from pspec_jax import decode, llama, sharding, tree_specs
 from pspec_jax import drafter as drafter_lib
-from pspec_jax import tree as tree_lib
+from pspec_jax.presets import HARDWARE, not_this_host, platform
 
 GIB = 1024**3
 
@@ -168,7 +167,7 @@ def decode_plan(
   `compiled_decode_table` where this host has the hardware's devices."""
   drafters = [drafter_lib.DrafterConfig.for_target(k, target, num_draft=num_draft) for k in kinds]
   specs = [t or "chain" for t in trees]
-  parsed = [tree_lib.parse(t, num_draft) for t in specs]
+  parsed = [tree_specs.parse(t, num_draft) for t in specs]
   largest = max(zip(specs, parsed, strict=True), key=lambda st: st[1].num_verified)[0]
   shape = dict(batch=batch, prompt_width=prompt_width, max_new_tokens=max_new_tokens)
   table = decode_memory_table(

@@ -15,7 +15,7 @@ floor (every weight a step reads, read once at the measured streaming-read bandw
 decide the tree budget on a given machine. Everything is compiled and warmed up before it is
 timed; reported times are medians.
 
-`--target=random:NAME` profiles a published architecture (`configs.common.ARCHITECTURES`:
+`--target=random:NAME` profiles a published architecture (`pspec_jax.presets.ARCHITECTURES`:
 llama2_7b, llama2_13b, llama3_8b, ...) with random weights made on the device, on random
 prompts of `--prompt_tokens` tokens: no checkpoint needed. Its rounds accept next to nothing,
 which changes what a round contains but not what its parts cost.
@@ -29,16 +29,17 @@ import jax
 import numpy as np
 from absl import flags
 
-from configs.common import ARCHITECTURES
 from infer import measure
-from pspec_jax import checkpoints, cli, data, decode, drafter_files, llama
+from pspec_jax import checkpoints, cli, decode, drafter_files, llama
+from pspec_jax import prompts as prompts_lib
+from pspec_jax.presets import ARCHITECTURES
 
 FLAGS = flags.FLAGS
 
 
 def verify_cost(target, drafter, ids, cfg, nodes, repeats):
   """Median ms of one verification pass per tree size, and of one plain decoding round."""
-  tokens, lengths = data.pad_batch([ids])
+  tokens, lengths = prompts_lib.pad_batch([ids])
   key = jax.random.key(0)
   width = tokens.shape[1]
   plain = decode.make_plan(cfg, None, width)
@@ -85,7 +86,7 @@ def load(spec: str, dtype, weight_layout: str, num_prompts: int, prompt_tokens: 
     ids = rng.integers(0, target.cfg.vocab_size, (num_prompts, prompt_tokens)).tolist()
     return target, ids, ()
   tokenizer = checkpoints.load_tokenizer(spec)
-  prompts = data.prompt_set("mt_bench", num_prompts)
+  prompts = prompts_lib.prompt_set("mt_bench", num_prompts)
   encoded = measure.encode_prompts(tokenizer, prompts, source="mt_bench", count=num_prompts)
   target = checkpoints.load_target(
     spec,

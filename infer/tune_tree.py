@@ -39,8 +39,9 @@ import numpy as np
 from absl import flags
 
 from infer import measure
-from pspec_jax import checkpoints, cli, data, decode, drafter_files
+from pspec_jax import checkpoints, cli, decode, drafter_files
 from pspec_jax import drafter as drafter_lib
+from pspec_jax import prompts as prompts_lib
 from pspec_jax import tree as tree_lib
 
 FLAGS = flags.FLAGS
@@ -66,7 +67,7 @@ def acceptance_rates(target, drafter, prompts, cfg, batch_size):
 
   hits, rounds = np.zeros(pool.num_nodes, np.int64), 0
   for start in range(0, len(prompts), batch_size):
-    tokens, lengths = data.pad_batch(prompts[start : start + batch_size])
+    tokens, lengths = prompts_lib.pad_batch(prompts[start : start + batch_size])
     plan = decode.make_plan(cfg, drafter, tokens.shape[1])
     state = decode.init(plan, target, drafter, tokens, lengths, jax.random.key(0))
     while not bool(state.done.all()):
@@ -83,7 +84,7 @@ def round_costs(target, ids, runs, repeats):
   The runs take turns round by round, so machine noise hits them alike; each first compiles
   and runs two warm-up rounds.
   """
-  tokens, lengths = data.pad_batch([ids])
+  tokens, lengths = prompts_lib.pad_batch([ids])
   key = jax.random.key(0)
   plans = [decode.make_plan(cfg, drafter, tokens.shape[1]) for cfg, drafter in runs]
   states = [
@@ -157,7 +158,7 @@ def tune_end_to_end(
   Returns `infer.measure` rows (plain decoding's have method `none`) and the fastest tree per
   temperature.
   """
-  width = data.bucket(max(map(len, prompts)))
+  width = prompts_lib.bucket(max(map(len, prompts)))
   settings, runners = [], {}
   for t in temperatures:
     for tree in ["", *trees]:
@@ -211,7 +212,7 @@ def main():
   tokenizer = checkpoints.load_tokenizer(FLAGS.target)
   prompts = measure.encode_prompts(
     tokenizer,
-    data.prompts_from(FLAGS.prompts),
+    prompts_lib.prompts_from(FLAGS.prompts),
     source=FLAGS.prompts,
     count=FLAGS.num_prompts,
     max_tokens=FLAGS.max_prompt_tokens,

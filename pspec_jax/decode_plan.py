@@ -11,7 +11,7 @@ import dataclasses
 
 from jax.sharding import Mesh
 
-from pspec_jax import adaptive
+from pspec_jax import adaptive, tree_specs
 from pspec_jax import tree as tree_lib
 from pspec_jax.drafter import Drafter
 from pspec_jax.sampling import SamplingConfig
@@ -114,7 +114,7 @@ def resolve_tree(cfg: DecodeConfig, drafter: Drafter | None) -> tree_lib.Tree:
   if drafter is None:
     return tree_lib.ROOT_ONLY
   d = drafter.cfg
-  return tree_lib.parse(
+  return tree_specs.parse(
     d.resolve_tree(cfg.tree or d.tree_for(cfg.sampling.greedy)), cfg.num_draft or d.num_draft
   )
 

@@ -39,19 +39,12 @@ from flax import struct
 from pspec_jax import adaptive, sharding
 from pspec_jax import tree as tree_lib
 from pspec_jax.accept import accept
+from pspec_jax.arrays import take_rows
 from pspec_jax.decode_plan import Plan
-from pspec_jax.drafter import (
-  Drafter,
-  Draw,
-  Pairs,
-  draw_tables,
-  feed,
-  pld_candidates,
-  propose,
-  take_rows,
-)
+from pspec_jax.drafter import Drafter
 from pspec_jax.kv_cache import KVCache
 from pspec_jax.llama import Target
+from pspec_jax.propose import Draw, Pairs, draw_tables, feed, pld_candidates, propose
 from pspec_jax.sampling import select
 
 __all__ = [

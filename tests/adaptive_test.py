@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pspec_jax import adaptive, decode, testing
+from pspec_jax import adaptive, decode, testing, tree_specs
 from pspec_jax import tree as tree_lib
 
 KINDS = ("pspec", "eagle", "medusa", "pld")
@@ -72,7 +72,7 @@ def test_bad_costs_are_one_clear_error(target):
 
 # --- the choice on fake costs and acceptance histories ----------------------------------------
 
-POOL = tree_lib.parse("adaptive:paths:0|chain", 4)  # the root alone, (0,), the chain of 4
+POOL = tree_specs.parse("adaptive:paths:0|chain", 4)  # the root alone, (0,), the chain of 4
 COSTS = ((1.0, 1.0), (1.4, 1.4), (1.9, 1.9))
 
 
@@ -141,7 +141,7 @@ def test_the_choice_weighs_tokens_against_costs():
 
 
 def test_a_lookup_match_makes_the_lookup_candidates_pay():
-  pool = tree_lib.parse("adaptive:paths:0|lookup:3", 4)
+  pool = tree_specs.parse("adaptive:paths:0|lookup:3", 4)
   costs = ((1.0, 1.0), (1.4, 1.4), (1.0, 1.3))
   stats = adaptive.init_stats(pool, 1)
   stats = stats.replace(drafted=jnp.full_like(stats.drafted, 0.3))
@@ -154,7 +154,7 @@ def test_a_lookup_match_makes_the_lookup_candidates_pay():
 
 
 def test_an_adaptive_tree_is_the_union_of_its_candidates_and_the_root_alone():
-  pool = tree_lib.parse("adaptive:paths:0/1|chain+lookup:3|lookup:2", 4)
+  pool = tree_specs.parse("adaptive:paths:0/1|chain+lookup:3|lookup:2", 4)
   assert [c.spec for c in pool.candidates] == [
     "paths:",
     "paths:0/1",
@@ -162,11 +162,11 @@ def test_an_adaptive_tree_is_the_union_of_its_candidates_and_the_root_alone():
     "lookup:2",
   ]
   assert pool.paths == ((0,), (1,), (0, 0), (0, 0, 0), (0, 0, 0, 0)) and pool.lookup == 3
-  assert tree_lib.parse(pool.spec, 4) == pool
+  assert tree_specs.parse(pool.spec, 4) == pool
   assert adaptive.branch_nodes(pool)[2:4] == [(0, 1, 2), (0, 1, 2)]  # paths:0/1, no lookup
   assert adaptive.branch_nodes(pool)[2 * 3 + 1] == (0, 6, 7)  # lookup:2 found: the root, 2 more
   # The default set, less what K allows.
-  assert tree_lib.parse("adaptive", 1).spec == "adaptive:lookup:1|paths:0+lookup:1"
+  assert tree_specs.parse("adaptive", 1).spec == "adaptive:lookup:1|paths:0+lookup:1"
   for bad, message in [
     ("adaptive:dynamic:4", "static tree without a gate"),
     ("adaptive:paths:0+min:0.2", "static tree without a gate"),
@@ -174,7 +174,7 @@ def test_an_adaptive_tree_is_the_union_of_its_candidates_and_the_root_alone():
     ("adaptive:paths:0/0.0/0.0.0", "deeper than K=2"),
   ]:
     with pytest.raises(ValueError, match=message):
-      tree_lib.parse(bad, 2)
+      tree_specs.parse(bad, 2)
 
 
 def test_a_drafter_file_keeps_its_adaptive_candidates(target, tmp_path):

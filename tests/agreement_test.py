@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from infer import agreement
-from pspec_jax import checkpoints, data, decode, drafter_files
+from pspec_jax import checkpoints, decode, drafter_files
+from pspec_jax import prompts as prompts_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,8 +39,8 @@ def test_replayed_rounds_are_the_decoders(smollm2, kind):
   lengths_seen = []
   hits = []
   for text in prompts:
-    prompt = data.encode_prompt(tokenizer, text, chat=True)
-    tokens, lengths = data.pad_batch([prompt])
+    prompt = prompts_lib.encode_prompt(tokenizer, text, chat=True)
+    tokens, lengths = prompts_lib.pad_batch([prompt])
     out = jax.device_get(decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter))
     answer = np.asarray(out.tokens[0, : out.lengths[0]]).tolist()
     lengths_seen.append((len(answer), answer[-1] in eos))

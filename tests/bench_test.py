@@ -11,8 +11,8 @@ import jax
 import pytest
 
 from infer import bench, measure, report
-from pspec_jax import data, decode, drafter_files, testing
-from pspec_jax import tree as tree_lib
+from pspec_jax import decode, drafter_files, testing, tree_specs
+from pspec_jax import prompts as prompts_lib
 from pspec_jax.sampling import SamplingConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -239,13 +239,13 @@ def test_report_and_plots_show_the_main_table_and_the_k_ablation(tmp_path):
 
 
 def test_prompt_sets_ship_offline():
-  assert len(data.prompt_set("mt_bench")) == 80
-  humaneval = data.prompt_set("humaneval", 3)
+  assert len(prompts_lib.prompt_set("mt_bench")) == 80
+  humaneval = prompts_lib.prompt_set("humaneval", 3)
   assert len(humaneval) == 3 and humaneval[0].startswith("from typing import List")
-  sharegpt = data.prompt_set("sharegpt", 5)
+  sharegpt = prompts_lib.prompt_set("sharegpt", 5)
   assert len(sharegpt) == 5 and all(p.strip() for p in sharegpt)
   with pytest.raises(ValueError, match="unknown prompt set 'nope'"):
-    data.prompt_set("nope")
+    prompts_lib.prompt_set("nope")
 
 
 def test_a_real_run_writes_results_report_and_plots(tmp_path):
@@ -285,7 +285,7 @@ def test_a_real_run_writes_results_report_and_plots(tmp_path):
   assert rows["pspec"]["tree"] == shipped.get("device_trees", {}).get("cpu", shipped)["tree"]
   assert rows["none"]["lossless"] is True and rows["pspec"]["lossless"] is True
   assert isinstance(rows["hf"]["lossless"], bool)
-  depth = tree_lib.parse(rows["pspec"]["tree"], rows["pspec"]["num_draft"]).max_depth
+  depth = tree_specs.parse(rows["pspec"]["tree"], rows["pspec"]["num_draft"]).max_depth
   assert rows["pspec"]["tau"] >= 1 and len(rows["pspec"]["accept_per_depth"]) == depth
   shares = [rows["pspec"][k] for k in ("draft_share", "verify_share", "commit_share")]
   assert sum(shares) == pytest.approx(1.0) and min(shares) > 0

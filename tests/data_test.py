@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from pspec_jax import data
+from pspec_jax import prompts as prompts_lib
 
 
 class CharTokenizer:
@@ -153,7 +154,7 @@ def test_a_json_array_of_strings_is_one_error(tmp_path):
 
 def test_prompts_naming_a_directory_say_so(tmp_path):
   with pytest.raises(ValueError, match=rf"prompts: {tmp_path} is a directory"):
-    data.prompts_from(str(tmp_path))
+    prompts_lib.prompts_from(str(tmp_path))
 
 
 def test_unknown_source_is_one_clear_error():

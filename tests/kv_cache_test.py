@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pspec_jax import decode, testing
+from pspec_jax import decode, testing, tree_specs
 from pspec_jax import drafter as drafter_lib
 from pspec_jax import tree as tree_lib
 from pspec_jax.kv_cache import KVCache
@@ -187,7 +187,7 @@ def bonus_token(b):
 
 def commit_inputs():
   rng = np.random.default_rng(0)
-  tree = tree_lib.parse(COMMIT_TREE, 3)
+  tree = tree_specs.parse(COMMIT_TREE, 3)
   m = tree.num_nodes
   batch = len(PATHS)
   node_tokens = np.array([[node_token(b, i) for i in range(m)] for b in range(batch)], np.int32)

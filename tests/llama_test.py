@@ -8,7 +8,7 @@ import torch
 import transformers
 from jax.sharding import PartitionSpec
 
-from pspec_jax import checkpoints, llama, sharding, testing
+from pspec_jax import checkpoints, layers, llama, sharding, testing, weights
 
 
 def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
@@ -110,8 +110,8 @@ def test_rope_inv_freq_matches_hf_llama3():
     },
   )
   ref, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
-  ours = llama.rope_inv_freq(
-    checkpoints.config_from_hf(
+  ours = layers.rope_inv_freq(
+    weights.config_from_hf(
       hf_cfg.to_dict()
       | {
         "architectures": ["LlamaForCausalLM"],

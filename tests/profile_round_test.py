@@ -8,9 +8,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from configs import common
 from infer import measure, profile_round
-from pspec_jax import decode, testing
+from pspec_jax import decode, presets, testing
 
 # The decoding tests' tiny architecture with a larger vocabulary; a test ties its head, which
 # the random target unties.
@@ -37,7 +36,7 @@ def test_an_unknown_architecture_is_one_clear_error():
 
 
 def test_a_random_target_profiles_round_parts_loop_and_step(monkeypatch):
-  monkeypatch.setitem(common.ARCHITECTURES, "tiny", TINY_ARCH | dict(tie_embeddings=True))
+  monkeypatch.setitem(presets.ARCHITECTURES, "tiny", TINY_ARCH | dict(tie_embeddings=True))
   target, prompts, eos_ids = profile_round.load("random:tiny", jnp.bfloat16, "plain", 2, 12)
   assert target.cfg.name == "random-tiny" and eos_ids == ()
   assert [len(p) for p in prompts] == [12, 12]

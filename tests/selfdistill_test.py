@@ -56,7 +56,8 @@ def _greedy_answers(smollm2, prompts, max_new_tokens=8):
   """The target's greedy answers to `prompts`, decoded in one batch (as one shard is)."""
   import jax
 
-  from pspec_jax import checkpoints, data, decode
+  from pspec_jax import checkpoints, decode
+  from pspec_jax import prompts as prompts_lib
 
   target, tokenizer = smollm2
   cfg = decode.DecodeConfig(
@@ -64,7 +65,7 @@ def _greedy_answers(smollm2, prompts, max_new_tokens=8):
     eos_ids=checkpoints.eos_token_ids("smollm2-135m-instruct", tokenizer),
     pad_id=tokenizer.pad_token_id or 0,
   )
-  out = decode.generate(target, *data.pad_batch(prompts), jax.random.key(0), cfg)
+  out = decode.generate(target, *prompts_lib.pad_batch(prompts), jax.random.key(0), cfg)
   return [
     tokenizer.decode(out.tokens[row, : out.lengths[row]].tolist(), skip_special_tokens=True)
     for row in range(len(prompts))

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from pspec_jax import decode, testing
+from pspec_jax import decode, testing, tree_specs
 from pspec_jax import drafter as drafter_lib
+from pspec_jax import propose as propose_lib
 from pspec_jax import tree as tree_lib
 from pspec_jax.sampling import SamplingConfig
 
@@ -63,12 +64,12 @@ def test_a_restricted_draft_vocabulary_stays_lossless_and_drafts_from_it(target,
   assert spec.tokens.tolist() == plain.tokens.tolist()
   assert spec.lengths.tolist() == plain.lengths.tolist()
   # Every drafted node is a draft-vocabulary token, with the head gathered once or per call.
-  pool = tree_lib.parse("sparse8", 4)
-  pairs = drafter_lib.Pairs(
+  pool = tree_specs.parse("sparse8", 4)
+  pairs = propose_lib.Pairs(
     tokens=jnp.asarray([[4, 11, 6]]), features=jnp.ones((1, 3, 32)), count=jnp.asarray([3])
   )
   for d in (drafter, drafter.with_head(target)):
-    _, (node_tokens, node_logp) = drafter_lib.propose(
+    _, (node_tokens, node_logp) = propose_lib.propose(
       d, target, d.empty_cache(1, 16), pairs, (jnp.asarray([[4, 11, 6]]), jnp.asarray([3])), pool
     )
     assert set(np.asarray(node_tokens)[:, 1:].ravel().tolist()) <= set(vocab)
@@ -120,7 +121,7 @@ def oracle_proposer(reference_BW):
     _, num_tokens = context
     index = num_tokens[:, None] + jnp.arange(pool.depth)
     candidates = jnp.take_along_axis(reference_BW, index, axis=1)[..., None]
-    return cache, drafter_lib._nodes_from_candidates(candidates, jnp.zeros_like(candidates), pool)
+    return cache, propose_lib._nodes_from_candidates(candidates, jnp.zeros_like(candidates), pool)
 
   return propose
 
@@ -136,7 +137,7 @@ def test_oracle_drafter_reaches_tau_k_plus_one(target, monkeypatch, num_draft):
   for row, prompt in enumerate(testing.PROMPTS):
     full[row, : len(prompt)] = prompt
     full[row, len(prompt) : len(prompt) + cfg.max_new_tokens] = reference.tokens[row]
-  monkeypatch.setitem(drafter_lib.PROPOSERS, "pld", oracle_proposer(jnp.asarray(full)))
+  monkeypatch.setitem(propose_lib.PROPOSERS, "pld", oracle_proposer(jnp.asarray(full)))
   cfg = decode.DecodeConfig(max_new_tokens=max_new, num_draft=num_draft)
   out = decode.generate(
     target, tokens, lengths, jax.random.key(0), cfg, testing.drafter_for("pld", target)
@@ -260,7 +261,7 @@ def reference_slot_mask(count, num_real, num_slots, start=0):
 
 def test_slot_mask_follows_the_attention_rule():
   counts = jnp.asarray([1, 3, 5])
-  mask = drafter_lib.pspec_mask(counts, 5, 3)
+  mask = propose_lib.pspec_mask(counts, 5, 3)
   for row, count in enumerate([1, 3, 5]):
     ref = reference_slot_mask(count, 5, 3)
     # Rows of pad pairs (j >= count) are never read.
@@ -273,7 +274,7 @@ def test_slot_mask_follows_the_attention_rule():
 def test_pspec_proposals_in_chunks_equal_one_pass_with_the_reference_mask(target):
   """The cached, chunked drafter == one uncached pass over all pairs and slots."""
   drafter = testing.drafter_for("pspec", target, num_draft=4)
-  pool = tree_lib.parse("sparse8", 4)
+  pool = tree_specs.parse("sparse8", 4)
   rng = np.random.default_rng(0)
   n = 11
   pair_tokens = rng.integers(0, 16, (1, n)).astype(np.int32)
@@ -284,10 +285,10 @@ def test_pspec_proposals_in_chunks_equal_one_pass_with_the_reference_mask(target
     chunk_tokens = np.zeros((1, width), np.int32)
     chunk_tokens[0, : hi - lo] = pair_tokens[0, lo:hi]
     chunk_features = jnp.zeros((1, width, 32)).at[:, : hi - lo].set(features[:, lo:hi])
-    pairs = drafter_lib.Pairs(
+    pairs = propose_lib.Pairs(
       tokens=jnp.asarray(chunk_tokens), features=chunk_features, count=jnp.asarray([hi - lo])
     )
-    cache, (tokens, logp) = drafter_lib.propose(drafter, target, cache, pairs, None, pool)
+    cache, (tokens, logp) = propose_lib.propose(drafter, target, cache, pairs, None, pool)
   # Reference: every pair and the 3 slots anchored at the last pair, explicit mask, no cache.
   fd = drafter_lib.FeatureDrafter
   u = drafter.apply(target.embed(jnp.asarray(pair_tokens)), features, method=fd.pairs)
@@ -352,22 +353,22 @@ def test_decoding_drafts_what_training_predicts(target, kind):
 def test_pld_proposes_the_continuation_of_the_longest_recent_match():
   tokens = jnp.asarray([[1, 2, 3, 9, 1, 2, 3, 4, 5, 7, 2, 3, 0, 0]])
   # Suffix (2, 3) -> the most recent earlier "2 3" is at 5..6, followed by 4 5 7 2.
-  out, ok = drafter_lib.pld_candidates(tokens, jnp.asarray([12]), 4, max_ngram=3)
+  out, ok = propose_lib.pld_candidates(tokens, jnp.asarray([12]), 4, max_ngram=3)
   assert out.tolist() == [[4, 5, 7, 2]] and ok.tolist() == [[True] * 4]
   # Suffix "7 2 3" as a 3-gram never occurred before; "2 3" did -> the 2-gram wins.
   tokens = jnp.asarray([[1, 2, 3, 8, 6, 6, 7, 2, 3, 0]])
-  out, ok = drafter_lib.pld_candidates(tokens, jnp.asarray([9]), 4, max_ngram=3)
+  out, ok = propose_lib.pld_candidates(tokens, jnp.asarray([9]), 4, max_ngram=3)
   assert out[0, :4].tolist() == [8, 6, 6, 7] and ok.tolist() == [[True] * 4]
   # No match at all.
-  out, ok = drafter_lib.pld_candidates(jnp.asarray([[4, 5, 6, 7]]), jnp.asarray([4]), 2, 2)
+  out, ok = propose_lib.pld_candidates(jnp.asarray([[4, 5, 6, 7]]), jnp.asarray([4]), 2, 2)
   assert ok.tolist() == [[False, False]]
   # A continuation that reaches the known tokens' end repeats the span it covered: 4 (5 4) 5 4.
-  out, ok = drafter_lib.pld_candidates(jnp.asarray([[4, 5, 4, 0]]), jnp.asarray([3]), 3, 2)
+  out, ok = propose_lib.pld_candidates(jnp.asarray([[4, 5, 4, 0]]), jnp.asarray([3]), 3, 2)
   assert out.tolist() == [[5, 4, 5]] and ok.tolist() == [[True] * 3]
-  out, ok = drafter_lib.pld_candidates(jnp.asarray([[7, 1, 1, 1, 0]]), jnp.asarray([4]), 4, 3)
+  out, ok = propose_lib.pld_candidates(jnp.asarray([[7, 1, 1, 1, 0]]), jnp.asarray([4]), 4, 3)
   assert out.tolist() == [[1] * 4] and ok.tolist() == [[True] * 4]
   # min_ngram: a lone repeated token is no match when pairs are asked for.
-  out, ok = drafter_lib.pld_candidates(jnp.asarray([[4, 5, 4, 0]]), jnp.asarray([3]), 3, 3, 2)
+  out, ok = propose_lib.pld_candidates(jnp.asarray([[4, 5, 4, 0]]), jnp.asarray([3]), 3, 3, 2)
   assert ok.tolist() == [[False] * 3]
 
 

@@ -11,8 +11,8 @@ import pytest
 import transformers
 
 from infer import tune_tree
-from pspec_jax import decode, drafter_files, testing
-from pspec_jax import drafter as drafter_lib
+from pspec_jax import decode, drafter_files, testing, tree_specs
+from pspec_jax import propose as propose_lib
 from pspec_jax import tree as tree_lib
 
 
@@ -33,7 +33,7 @@ def flawed_oracle(reference_BW):
     flawed = (index * 7 + jnp.arange(pool.depth) * 3) % 5 == 0
     candidates = jnp.stack([jnp.where(flawed, wrong, right), jnp.where(flawed, right, wrong)], -1)
     logp = jnp.log(jnp.asarray([0.7, 0.3]))
-    return cache, drafter_lib._nodes_from_candidates(candidates, logp + 0 * candidates, pool)
+    return cache, propose_lib._nodes_from_candidates(candidates, logp + 0 * candidates, pool)
 
   return propose
 
@@ -47,13 +47,13 @@ def test_acceptance_rates_count_what_decoding_accepts(target, monkeypatch, pool)
   for row, prompt in enumerate(testing.PROMPTS):
     full[row, : len(prompt)] = prompt
     full[row, len(prompt) : len(prompt) + 24] = reference.tokens[row]
-  monkeypatch.setitem(drafter_lib.PROPOSERS, "pld", flawed_oracle(jnp.asarray(full)))
+  monkeypatch.setitem(propose_lib.PROPOSERS, "pld", flawed_oracle(jnp.asarray(full)))
   jax.clear_caches()  # jitted decoding traced by earlier tests holds the real pld proposer
   drafter = testing.drafter_for("pld", target)
   rates, rounds = tune_tree.acceptance_rates(target, drafter, testing.PROMPTS, cfg, batch_size=4)
   out = decode.generate(target, *testing.padded(testing.PROMPTS), jax.random.key(0), cfg, drafter)
   assert rounds == int(out.rounds.sum())
-  tree = tree_lib.parse(pool, 4)
+  tree = tree_specs.parse(pool, 4)
   assert set(rates) == set(tree.paths)
   per_depth = [sum(r for p, r in rates.items() if len(p) == d) for d in range(1, tree.depth + 1)]
   np.testing.assert_allclose(np.asarray(per_depth) * rounds, out.accepted_per_depth.sum(0))
@@ -80,7 +80,7 @@ def test_tune_reports_plain_decoding_and_the_best_tree_of_each_size(target):
   assert [r["nodes"] for r in rows] == [1, 2, 12]  # once each; 40 is capped at the pool
   assert rows[0]["tree"] == "" and rows[0]["speedup"] == 1.0
   for r in rows[1:]:
-    tree = tree_lib.parse(r["tree"], 4)
+    tree = tree_specs.parse(r["tree"], 4)
     assert tree.num_nodes == r["nodes"]
     assert r["ms"] > 0
     np.testing.assert_allclose(r["speedup"], r["tokens_per_round"] * rows[0]["ms"] / r["ms"])
@@ -98,7 +98,7 @@ def test_stage_three_tries_the_tree_alone_chained_gated_and_the_chain_alone():
   ]
   assert tune_tree.tree_candidates("paths:0", [0.2], 0) == ["paths:0", "paths:0+min:0.2"]
   for spec in tune_tree.tree_candidates("paths:0/1", [0.1, 0.25], 6):
-    tree_lib.parse(spec, 4)
+    tree_specs.parse(spec, 4)
 
 
 def test_end_to_end_times_every_tree_at_every_temperature_and_picks_the_fastest(target):

@@ -55,7 +55,8 @@ def run(config) -> None:
   import transformers
   from tqdm import tqdm
 
-  from pspec_jax import checkpoints, data, decode, drafter_files
+  from pspec_jax import checkpoints, decode, drafter_files
+  from pspec_jax import prompts as prompts_lib
   from pspec_jax.sampling import SamplingConfig
   from train import build
 
@@ -98,7 +99,7 @@ def run(config) -> None:
     by_length = sorted(range(len(shard)), key=lambda i: len(shard[i][2]))
     for start in range(0, len(shard), s.batch_size):
       rows = by_length[start : start + s.batch_size]
-      tokens, lengths = data.pad_batch(
+      tokens, lengths = prompts_lib.pad_batch(
         [shard[i][2] for i in rows], cfg.pad_id, max_width=s.max_prompt_tokens
       )
       tokens = np.pad(tokens, ((0, s.batch_size - len(rows)), (0, 0)), constant_values=cfg.pad_id)
