@@ -14,8 +14,10 @@ Several processes (`--config.distributed=True`, with `config.cluster` where jax.
 cannot find the cluster itself) write one dataset into the same directory: shard i is
 answered by process i % process_count, on that process's devices (the batch over their data
 axis). Batches, their padding and their sampling keys depend on the shard alone, so any number
-of processes writes the same bytes. Every process waits for the others before it exits; a
-killed process ends the run, and the same command lines resume it. Two processes on one host:
+of processes writes the same bytes. `selfdistill.out` is one directory that all of them see
+(a shared file system), or one per host whose shards, disjoint by name, are gathered afterwards.
+Every process waits for the others before it exits; a killed process ends the run (the others
+stop when its heartbeats do), and the same command lines resume it. Two processes on one host:
 
   python -m train.selfdistill --config=configs/smollm2_135m.py --config.distributed=True \
     --config.cluster.coordinator_address=127.0.0.1:12355 --config.cluster.num_processes=2 \
