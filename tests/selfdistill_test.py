@@ -1,7 +1,9 @@
-"""`train.selfdistill` end to end on the smoke config: shards, resumed after a loss."""
+"""`train.selfdistill` end to end on the smoke config: shards, resumed after a loss, and the
+same dataset from two processes (jax.distributed on CPU) as from one."""
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -44,6 +46,112 @@ def test_selfdistill_writes_resumable_shards(tmp_path, smollm2):
   result = subprocess.run(command, cwd=ROOT, env=cli_env(), capture_output=True, text=True)
   assert result.returncode == 0, result.stderr[-3000:]
   assert [(out / name).read_text() for name in shards] == written
+
+
+def _command(out, *extra):
+  return [
+    sys.executable,
+    "-m",
+    "train.selfdistill",
+    f"--config={SMOKE}",
+    f"--config.selfdistill.out={out}",
+    *extra,
+  ]
+
+
+def _run_processes(out, count, *extra, devices=1):
+  """Runs `count` processes under jax.distributed (one plain process if count is 1), each with
+  `devices` CPU devices; returns their (stdout, stderr)."""
+  env = cli_env()
+  if devices > 1:
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  if count == 1:
+    result = subprocess.run(
+      _command(out, *extra), cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [(result.stdout, result.stderr)]
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  cluster = [
+    "--config.distributed=True",
+    f"--config.cluster.coordinator_address=127.0.0.1:{port}",
+    f"--config.cluster.num_processes={count}",
+  ]
+  procs = [
+    subprocess.Popen(
+      _command(out, *cluster, f"--config.cluster.process_id={i}", *extra),
+      cwd=ROOT,
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(count)
+  ]
+  outputs = [p.communicate(timeout=600) for p in procs]
+  for p, (_, err) in zip(procs, outputs, strict=True):
+    assert p.returncode == 0, err[-3000:]
+  return outputs
+
+
+def _dataset(out):
+  return {name: (out / name).read_bytes() for name in sorted(os.listdir(out))}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+  """The dataset one process with one device writes, by temperature."""
+  datasets = {}
+
+  def get(temperature):
+    if temperature not in datasets:
+      out = tmp_path_factory.mktemp("single") / "sd"
+      _run_processes(out, 1, f"--config.selfdistill.temperature={temperature}")
+      datasets[temperature] = _dataset(out)
+    return datasets[temperature]
+
+  return get
+
+
+def test_two_processes_with_two_devices_each_write_the_one_process_dataset(single, tmp_path):
+  """Greedy: shard 0 from process 0, shard 1 from process 1, each batch split over two
+  devices; byte for byte the shards one process on one device writes."""
+  out = tmp_path / "sd"
+  outputs = _run_processes(out, 2, devices=2)
+  assert _dataset(out) == single(0.0)
+  assert list(_dataset(out)) == ["part-00000.jsonl", "part-00001.jsonl"]
+  for stdout, _ in outputs:  # each answered its own shard
+    assert "self-distill: 2 conversations in" in stdout
+  assert "self-distill, all 2 processes: 4 conversations in" in outputs[0][0]
+  assert "conversations per hour" in outputs[0][0]
+
+
+def test_two_processes_sample_the_one_process_dataset(single, tmp_path):
+  """At temperature > 0 a batch's key is its shard's and its place there: the same samples
+  whichever process draws them, and not the greedy answers."""
+  out = tmp_path / "sd"
+  _run_processes(out, 2, "--config.selfdistill.temperature=1.0")
+  assert _dataset(out) == single(1.0)
+  assert _dataset(out) != single(0.0)
+
+
+def test_two_processes_resume_a_killed_run(single, tmp_path):
+  """Process 1 killed while writing shard 1 (its temporary file left, the shard missing):
+  the same command lines answer shard 1 alone and end with the same dataset."""
+  out = tmp_path / "sd"
+  out.mkdir()
+  reference = single(0.0)
+  (out / "part-00000.jsonl").write_bytes(reference["part-00000.jsonl"])
+  (out / "part-00001.jsonl.tmp").write_bytes(reference["part-00001.jsonl"][:50])
+  kept = (out / "part-00000.jsonl").stat().st_mtime_ns
+  outputs = _run_processes(out, 2)
+  assert _dataset(out) == reference  # the temporary file is gone
+  assert (out / "part-00000.jsonl").stat().st_mtime_ns == kept  # not written again
+  assert "self-distill:" not in outputs[0][0]  # process 0 had nothing to answer
+  assert "self-distill: 2 conversations in" in outputs[1][0]
+  assert "self-distill, all 2 processes: 2 conversations in" in outputs[0][0]
 
 
 def _prompt_ids(tokenizer, record):

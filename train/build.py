@@ -125,3 +125,24 @@ def init_from(config: ml_collections.ConfigDict, target: llama.LlamaConfig) -> s
         f"drafter {mine}: they must be the same"
       )
   return directory
+
+
+def initialize_cluster(cluster) -> None:
+  """`jax.distributed.initialize`, with the cluster config's settings where they are given."""
+  import jax
+
+  given = dict(
+    coordinator_address=cluster.coordinator_address or None,
+    num_processes=cluster.num_processes or None,
+    process_id=cluster.process_id if cluster.process_id >= 0 else None,
+  )
+  if cluster.coordinator_address and None in given.values():
+    raise ValueError(
+      "cluster.coordinator_address needs cluster.num_processes and cluster.process_id"
+    )
+  if given["process_id"] is not None and given["process_id"] >= (cluster.num_processes or 1):
+    raise ValueError(
+      f"cluster.process_id={cluster.process_id} must be below "
+      f"cluster.num_processes={cluster.num_processes}"
+    )
+  jax.distributed.initialize(**{k: v for k, v in given.items() if v is not None})

@@ -97,7 +97,7 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
   cfg = step_config(config)
   build.check_target_exists(config)
   if config.distributed:
-    initialize_cluster(config.cluster)
+    build.initialize_cluster(config.cluster)
     if config.data.cache_features:
       raise ValueError("data.cache_features is for one host: set it False on a multi-host run")
   main = jax.process_index() == 0
@@ -310,27 +310,6 @@ def check_workdir(workdir: str) -> None:
   for path in (workdir, os.path.join(workdir, "checkpoints")):
     if os.path.exists(path) and not os.path.isdir(path):
       raise ValueError(f"--workdir: {path} is a file, not a directory: give a directory")
-
-
-def initialize_cluster(cluster) -> None:
-  """`jax.distributed.initialize`, with the cluster config's settings where they are given."""
-  import jax
-
-  given = dict(
-    coordinator_address=cluster.coordinator_address or None,
-    num_processes=cluster.num_processes or None,
-    process_id=cluster.process_id if cluster.process_id >= 0 else None,
-  )
-  if cluster.coordinator_address and None in given.values():
-    raise ValueError(
-      "cluster.coordinator_address needs cluster.num_processes and cluster.process_id"
-    )
-  if given["process_id"] is not None and given["process_id"] >= (cluster.num_processes or 1):
-    raise ValueError(
-      f"cluster.process_id={cluster.process_id} must be below "
-      f"cluster.num_processes={cluster.num_processes}"
-    )
-  jax.distributed.initialize(**{k: v for k, v in given.items() if v is not None})
 
 
 def dry_run(config) -> None:

@@ -6,13 +6,29 @@ For the first `config.selfdistill.num_conversations` conversations of
 `config.selfdistill.source` (both splits), the first user turn (and a system turn before it,
 if any) is answered by the target through `pspec_jax.decode`, in batches, and written as
 ShareGPT-style JSONL shards under `config.selfdistill.out`, which `train.distill` reads as
-`config.data.source`. Each shard is written to a temporary file and
-renamed when complete, so a killed run loses at most the shard in progress; a restart skips
-the shards already written.
+`config.data.source`. Shard i holds the prompts [i * shard_size, (i + 1) * shard_size) in
+source order. Each shard is written to a temporary file and renamed when complete, so a killed
+run loses at most the shards in progress; a restart skips the shards already written.
+
+Several processes (`--config.distributed=True`, with `config.cluster` where jax.distributed
+cannot find the cluster itself) write one dataset into the same directory: shard i is
+answered by process i % process_count, on that process's devices (the batch over their data
+axis). Batches, their padding and their sampling keys depend on the shard alone, so any number
+of processes writes the same bytes. `selfdistill.out` is one directory that all of them see
+(a shared file system), or one per host whose shards, disjoint by name, are gathered afterwards.
+Every process waits for the others before it exits; a killed process ends the run (the others
+stop when its heartbeats do), and the same command lines resume it. Two processes on one host:
+
+  python -m train.selfdistill --config=configs/smollm2_135m.py --config.distributed=True \
+    --config.cluster.coordinator_address=127.0.0.1:12355 --config.cluster.num_processes=2 \
+    --config.cluster.process_id=0  # and =1 in a second shell
+
+Each process prints conversations per hour (in its progress bar, and at the end).
 """
 
 import json
 import os
+import time
 
 from absl import flags
 from ml_collections import config_flags
@@ -20,6 +36,9 @@ from ml_collections import config_flags
 from pspec_jax import cli
 
 FLAGS = flags.FLAGS
+# A week: the processes finish their shards at different times (one shard apart, more after a
+# resume); the last one may take hours after the first.
+_BARRIER_TIMEOUT_MS = 7 * 24 * 3600 * 1000
 
 
 def _prompts(config, tokenizer):
@@ -51,16 +70,11 @@ def _prompts(config, tokenizer):
 
 def run(config) -> None:
   import jax
-  import numpy as np
-  import transformers
   from tqdm import tqdm
 
-  from pspec_jax import checkpoints, decode, drafter_files
-  from pspec_jax import prompts as prompts_lib
-  from pspec_jax.sampling import SamplingConfig
+  from pspec_jax import checkpoints
   from train import build
 
-  transformers.logging.set_verbosity_error()
   s = config.selfdistill
   if s.method not in ("none", "pld"):
     raise ValueError(f"selfdistill.method must be none or pld, got {s.method!r}")
@@ -69,33 +83,84 @@ def run(config) -> None:
   if os.path.exists(s.out) and not os.path.isdir(s.out):
     raise ValueError(f"selfdistill.out: {s.out} is a file, not a directory: give a directory")
   build.check_target_exists(config)
+  if config.distributed:
+    build.initialize_cluster(config.cluster)
+  process, processes = jax.process_index(), jax.process_count()
   tokenizer = checkpoints.load_tokenizer(config.target.checkpoint)
   prompts = _prompts(config, tokenizer)
   os.makedirs(s.out, exist_ok=True)
   shards = [prompts[i : i + s.shard_size] for i in range(0, len(prompts), s.shard_size)]
-  todo = [i for i in range(len(shards)) if _ids(_shard_path(s.out, i)) != [c[0] for c in shards[i]]]
-  bar = tqdm(total=len(prompts), desc="self-distill", unit="conv")
-  bar.update(sum(len(shards[i]) for i in range(len(shards)) if i not in todo))
-  if not todo:
-    bar.close()
-    return
+  # Every process reads which shards are missing (for the totals); each answers its own.
+  pending = [i for i in range(len(shards)) if _ids(_shard_path(s.out, i)) != _cids(shards[i])]
+  todo = [i for i in pending if i % processes == process]
+  mine = sum(len(shards[i]) for i in range(process, len(shards), processes))
+  todo_rows = sum(len(shards[i]) for i in todo)
+  bar = tqdm(
+    total=mine,
+    initial=mine - todo_rows,
+    desc="self-distill" + (f" (process {process}/{processes})" if processes > 1 else ""),
+    unit="conv",
+  )
+  start = time.monotonic()
+  if todo:
+    answer = _answerer(config, tokenizer)
+    for index in todo:
+      answers = answer(index, shards[index], lambda rows: _progress(bar, rows, todo_rows, start))
+      _write_shard(_shard_path(s.out, index), shards[index], answers)
+  bar.close()
+  if todo:
+    print(f"self-distill: {_rate(todo_rows, start)}", flush=True)
+  if processes > 1:
+    _wait_for_all_processes()
+    if process == 0 and pending:
+      total = sum(len(shards[i]) for i in pending)
+      print(f"self-distill, all {processes} processes: {_rate(total, start)}", flush=True)
+
+
+def _answerer(config, tokenizer):
+  """Loads the target and returns `answer(index, shard, progress) -> answers`, which answers
+  shard `index` in batches, calling `progress(rows)` after each."""
+  import jax
+  import numpy as np
+
+  from pspec_jax import checkpoints, decode, drafter_files, sharding
+  from pspec_jax import prompts as prompts_lib
+  from pspec_jax.sampling import SamplingConfig
+  from train import build
+
+  s = config.selfdistill
   # Plain weights: with 32 rows per matmul the CPU's panel layout is slower (it pays from one
   # row to a few, the verification of a small tree).
   target = build.load_target(config, scan_layers=False, weight_layout="plain")
   drafter = drafter_files.resolve_drafter(s.method, None, target, num_draft=4)
+  # Each process decodes alone on its own devices: the batch over their data axis, the
+  # (replicated) weights on each.
+  devices = jax.local_devices()
+  mesh = None
+  if len(devices) > 1:
+    if s.batch_size % len(devices):
+      raise ValueError(
+        f"selfdistill.batch_size={s.batch_size} must divide over this process's "
+        f"{len(devices)} devices"
+      )
+    mesh = sharding.make_mesh(data=len(devices), devices=devices)
+    target, drafter = decode.shard(mesh, target, drafter)
   cfg = decode.DecodeConfig(
     max_new_tokens=s.max_new_tokens,
     sampling=SamplingConfig(temperature=s.temperature),
     eos_ids=checkpoints.eos_token_ids(config.target.checkpoint, tokenizer),
     pad_id=tokenizer.pad_token_id or 0,
+    mesh=mesh,
   )
   key = jax.random.key(config.seed)
-  for index in todo:
-    shard = shards[index]
+
+  def answer(index, shard, progress):
     answers = [None] * len(shard)
     # Batches of similar prompt lengths, each padded to its own width (a power of two, at most
     # max_prompt_tokens): less prefill and a shorter cache to attend over than one width for
-    # all, for a few compilations.
+    # all, for a few compilations. Batches stay within a shard: a batch, its padding and its
+    # key (the shard's index and the batch's place in it) are then the same whichever process
+    # answers the shard, so one process and many write the same dataset, sampling too.
     by_length = sorted(range(len(shard)), key=lambda i: len(shard[i][2]))
     for start in range(0, len(shard), s.batch_size):
       rows = by_length[start : start + s.batch_size]
@@ -109,20 +174,57 @@ def run(config) -> None:
       for row, i in enumerate(rows):  # padding rows are dropped
         ids = np.asarray(out.tokens[row, : out.lengths[row]]).tolist()
         answers[i] = tokenizer.decode(ids, skip_special_tokens=True)
-      bar.update(len(rows))
-    records = [
-      {
-        "id": cid,
-        "conversations": [{"from": t["role"], "value": t["content"]} for t in turns]
-        + [{"from": "gpt", "value": answer}],
-      }
-      for (cid, turns, _), answer in zip(shard, answers, strict=True)
-    ]
-    path = _shard_path(s.out, index)
-    with open(path + ".tmp", "w") as fh:
-      fh.writelines(json.dumps(r) + "\n" for r in records)
-    os.replace(path + ".tmp", path)
-  bar.close()
+      progress(len(rows))
+    return answers
+
+  return answer
+
+
+def _write_shard(path: str, shard, answers) -> None:
+  """Writes a shard's records to a temporary file, renamed when complete: a killed run leaves
+  no partial shard under the final name."""
+  records = [
+    {
+      "id": cid,
+      "conversations": [{"from": t["role"], "value": t["content"]} for t in turns]
+      + [{"from": "gpt", "value": answer}],
+    }
+    for (cid, turns, _), answer in zip(shard, answers, strict=True)
+  ]
+  with open(path + ".tmp", "w") as fh:
+    fh.writelines(json.dumps(r) + "\n" for r in records)
+  os.replace(path + ".tmp", path)
+
+
+def _progress(bar, rows: int, todo_rows: int, start: float) -> None:
+  bar.update(rows)
+  answered = bar.n - (bar.total - todo_rows)  # in this run
+  bar.set_postfix_str(f"{_per_hour(answered, start):,.0f} conv/h")
+
+
+def _per_hour(conversations: int, start: float) -> float:
+  return conversations * 3600 / max(time.monotonic() - start, 1e-9)
+
+
+def _rate(conversations: int, start: float) -> str:
+  """The measurement: conversations answered per hour of wall time since the target was
+  loaded (loading and compilation included)."""
+  seconds = time.monotonic() - start
+  return (
+    f"{conversations} conversations in {seconds:.0f} s: "
+    f"{_per_hour(conversations, start):,.0f} conversations per hour"
+  )
+
+
+def _wait_for_all_processes() -> None:
+  """Blocks until every process has written its shards. A process that is done would
+  otherwise leave at once, and jax.distributed's shutdown waits for the others only minutes;
+  a process that dies ends the wait with an error (its heartbeats stop)."""
+  from jax._src import distributed
+
+  distributed.global_state.client.wait_at_barrier(
+    "selfdistill_done", timeout_in_ms=_BARRIER_TIMEOUT_MS
+  )
 
 
 def _ids(path: str) -> list[str]:
@@ -133,6 +235,10 @@ def _ids(path: str) -> list[str]:
     return []
   with open(path) as fh:
     return [json.loads(line)["id"] for line in fh]
+
+
+def _cids(shard) -> list[str]:
+  return [c[0] for c in shard]
 
 
 def _shard_path(out: str, index: int) -> str:
