@@ -1,4 +1,4 @@
-"""Drafting a round's token tree with a drafter (`drafter.py`; DESIGN.md sections 2 and 3).
+"""Drafting a round's token tree with a drafter (`drafter.py`; docs/design.md sections 3.2 and 3.3).
 
 Each round `propose` consumes the pairs accepted since the last round (the last one holds the
 bonus token) and returns a token and a draft log-probability for every node of the tree pool.
