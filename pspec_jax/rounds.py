@@ -1,26 +1,13 @@
 """One speculative round, as pure functions of a static `Plan` (docs/design.md section 3).
 
-State between rounds: the target cache holds x_1..x_n; the *bonus* token x_{n+1}, chosen from
-p_n, is known but not yet in the cache, and the drafter's proposals for the next round are
-ready. A round
-
-1. builds the token tree (static, or the most confident nodes of a dynamic pool; a gated tree
-   cuts drafted nodes of low draft confidence), with a chain of prompt-lookup nodes below the
-   root when the tree asks for one and the context repeats,
-2. verifies it: one target pass over the M nodes at positions n+1+depth, tree mask + cache
-   (parts of the tree that no sequence has this round, a lookup chain or gated drafts, are
-   left out of the pass),
-3. accepts a path and a new bonus token (`accept.accept`), greedy or lossless sampling (at
-   T > 0 by default the drafted nodes were drawn from the drafter's distribution q and are
-   accepted by speculative sampling, recursively on trees; `DecodeConfig.drafts`),
-4. commits the path's keys/values into contiguous cache slots and its tokens (cut at EOS and
-   at the token budget), and
-5. feeds the accepted pairs (f_t, x_{t+1}) to the drafter, which proposes the next tree.
-
-An adaptive tree (`tree="adaptive"`) picks, at the end of each round, which of its candidate
-trees the next round drafts and verifies (`pspec_jax.adaptive`): a round then drafts that
-candidate's nodes alone (the root alone: the drafter only takes in the new pairs), and the
-target verifies them through the same `lax.switch` that leaves a lookup chain out.
+State between rounds: the target cache holds x_1..x_n; the *bonus* token x_{n+1} is known but
+not yet in the cache, and the drafter's proposals for the next round are ready. A round builds
+the token tree (3.3: static, dynamic or gated, with a prompt-lookup chain when the context
+repeats), verifies it in one target pass that leaves out the parts no sequence has (3.4),
+accepts a path and a new bonus token, greedy or lossless sampling (3.5), commits the path's
+keys/values and tokens, cut at EOS and the budget (3.6), and feeds the accepted pairs to the
+drafter, which proposes the next tree. An adaptive tree drafts and verifies the candidate its
+statistics chose (3.7).
 
 Every function takes the plan first, then whichever of target, drafter and state it uses:
 `init(plan, target, drafter, tokens, lengths, key)`, `verify(plan, target, drafter, state)`,
