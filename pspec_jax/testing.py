@@ -5,6 +5,8 @@
 this module imports without torch, and without the seconds transformers takes to import.
 """
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -107,3 +109,33 @@ def save_hf_llama(directory, seed=0, dtype=None, **overrides):
   model = transformers.LlamaForCausalLM(config).to(dtype or torch.float32).eval()
   model.save_pretrained(directory)
   return model
+
+
+# The command-line tests: the repository root they run in, the smoke training config, and the
+# environment of a CPU subprocess (no fake devices, no hub).
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOKE = "configs/smollm2_135m.py:smoke"
+
+
+def cli_env() -> dict:
+  return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", HF_HUB_OFFLINE="1")
+
+
+class CharTokenizer:
+  """One token per character and a ChatML-like template: enough to check rendering."""
+
+  name_or_path = "chars"
+  pad_token_id = 0
+
+  def __len__(self):
+    return 256
+
+  def __call__(self, text, add_special_tokens=False):
+    class Out:
+      input_ids = [ord(c) % 256 for c in text]
+
+    return Out()
+
+  def apply_chat_template(self, turns, add_generation_prompt=False, tokenize=False):
+    text = "".join(f"<{t['role'][0]}>{t['content']}|" for t in turns)
+    return text + ("<a>" if add_generation_prompt else "")

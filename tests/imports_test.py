@@ -178,3 +178,23 @@ def test_the_checks_find_a_cycle_and_a_program_import(tmp_path):
   (tmp_path / "infer/two.py").write_text("from infer import shared\n")
   (tmp_path / "pspec_jax/d.py").write_text("")
   assert find_cycle(import_graph(tmp_path)) is None and layering_errors(tmp_path) == []
+
+
+def test_no_test_imports_another_test_file():
+  """Shared fixtures live in `pspec_jax.testing` (and conftest.py), never in a test file."""
+  tests = os.path.join(ROOT, "tests")
+  names = {f[: -len(".py")] for f in os.listdir(tests) if f.endswith(".py")}
+  offenders = []
+  for name in sorted(names):
+    with open(os.path.join(tests, f"{name}.py")) as fh:
+      tree = ast.parse(fh.read())
+    for node in ast.walk(tree):
+      modules = []
+      if isinstance(node, ast.Import):
+        modules = [a.name for a in node.names]
+      elif isinstance(node, ast.ImportFrom) and node.module:
+        modules = [node.module]
+      for module in modules:
+        if module.startswith("tests") or (module in names and module != "conftest"):
+          offenders.append(f"{name} imports {module}")
+  assert not offenders, offenders
