@@ -17,7 +17,8 @@ each host or a shared disk:
 """
 
 from configs import common
+from pspec_jax import presets
 
 
 def get_config(arg: str | None = None):
-  return common.large_config(common.LLAMA2_7B, "/data/Llama-2-7b-chat-hf", arg)
+  return common.large_config(presets.LLAMA2_7B, "/data/Llama-2-7b-chat-hf", arg)

@@ -17,10 +17,11 @@ each host or a shared disk:
 """
 
 from configs import common
+from pspec_jax import presets
 
 
 def get_config(arg: str | None = None):
   # A 32k draft vocabulary of the 128k: a quarter of the LM head, as EAGLE-3 does.
   return common.large_config(
-    common.LLAMA3_8B, "/data/Meta-Llama-3-8B-Instruct", arg, draft_vocab_size=32768
+    presets.LLAMA3_8B, "/data/Meta-Llama-3-8B-Instruct", arg, draft_vocab_size=32768
   )

@@ -13,12 +13,13 @@ Hardware: one CPU host (2 cores suffice), float32; drafters/README.md has the ti
 """
 
 from configs import common
+from pspec_jax import presets
 
 
 def get_config(arg: str | None = None):
   c = common.training_config(
     checkpoint="smollm2-135m-instruct",
-    arch=common.SMOLLM2_135M,
+    arch=presets.SMOLLM2_135M,
     dtype="float32",
     hardware="cpu",
     mesh=dict(data=-1, fsdp=1, tensor=1),

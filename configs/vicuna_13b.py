@@ -17,7 +17,8 @@ each host or a shared disk:
 """
 
 from configs import common
+from pspec_jax import presets
 
 
 def get_config(arg: str | None = None):
-  return common.large_config(common.VICUNA_13B, "/data/vicuna-13b-v1.3", arg)
+  return common.large_config(presets.VICUNA_13B, "/data/vicuna-13b-v1.3", arg)

@@ -28,10 +28,14 @@ is accepted by speculative sampling, the ceiling of depth-1 acceptance at T.
 
 import json
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from pspec_jax import cli
+from pspec_jax import checkpoints, cli, data, drafter_files, losses
+from pspec_jax import prompts as prompts_lib
+from pspec_jax.sampling import SamplingConfig, filtered_logits
 
 FLAGS = flags.FLAGS
 
@@ -47,10 +51,6 @@ def depth1_agreement(target, drafter, prompt: list[int], answer: list[int]) -> n
     [len(answer) - 1] bool; entry j - 1 is answer token j. Token 0 comes from the prompt's
     pass, with nothing drafted for it; token j is guessed by pair len(prompt) + j - 2.
   """
-  import jax.numpy as jnp
-
-  from pspec_jax import losses
-
   guess_S = np.asarray(losses.depth1_guesses(drafter, target, jnp.asarray([prompt + answer]))[0])
   p = len(prompt)
   return guess_S[p - 1 : p + len(answer) - 2] == np.asarray(answer[1:])
@@ -61,12 +61,6 @@ def depth1_overlap(target, drafter, prompt: list[int], answer: list[int], sampli
   `depth1_agreement`: p the target's distribution of the token, q the drafter's depth-1 one
   (pair len(prompt) + j - 2 for token j), both filtered by `sampling`; q is spread over the
   target's vocabulary (0 outside a restricted draft vocabulary)."""
-  import jax
-  import jax.numpy as jnp
-
-  from pspec_jax import losses
-  from pspec_jax.sampling import filtered_logits
-
   target_SV, draft_SV = losses.depth1_logits(drafter, target, jnp.asarray([prompt + answer]))
   n = len(prompt)
   # Token j sits at n + j: the target predicts it at n + j - 1, the drafter at pair n + j - 2.
@@ -136,12 +130,7 @@ def check_settings(
       )
 
 
-def run() -> None:
-  import transformers
-
-  from pspec_jax import checkpoints, data, drafter_files
-
-  transformers.logging.set_verbosity_error()
+def main() -> None:
   if FLAGS.method == "pld":
     raise ValueError("--method=pld has no drafter network to run teacher-forced")
   records = _records(FLAGS.answers)
@@ -156,14 +145,12 @@ def run() -> None:
     FLAGS.target, scan_layers=False, untie_head=True, weight_layout="decode"
   )
   drafter = drafter_files.resolve_drafter(FLAGS.method, FLAGS.drafter, target).with_head(target)
-  from pspec_jax.sampling import SamplingConfig
-
   sampling = SamplingConfig(temperature=FLAGS.temperature)
   agree, loops, overlap, rounds, accepted = [], [], [], 0, 0
   for record in records:
     if max(record["tokens"]) >= target.cfg.vocab_size:
       raise ValueError(f"{FLAGS.answers}: token ids past the target's vocabulary")
-    prompt = data.encode_prompt(tokenizer, record["prompt"], chat)
+    prompt = prompts_lib.encode_prompt(tokenizer, record["prompt"], chat)
     hits = depth1_agreement(target, drafter, prompt, record["tokens"])
     if not sampling.greedy:
       overlap.append(depth1_overlap(target, drafter, prompt, record["tokens"], sampling))
@@ -200,4 +187,4 @@ def define_flags():
 
 
 if __name__ == "__main__":
-  cli.run(run, define_flags, full_float32=True)
+  cli.run(main, define_flags, full_float32=True)

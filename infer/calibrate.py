@@ -9,28 +9,24 @@ measures them again on demand (e.g. after a change to the machine), prints them 
 they come from, and stores them where decoding reads them (`infer.calibration`).
 """
 
+import jax
 from absl import flags
 
-from pspec_jax import cli
+from infer import calibration
+from pspec_jax import checkpoints, cli, decode, drafter_files
+from pspec_jax import prompts as prompts_lib
 
 FLAGS = flags.FLAGS
 
 
-def run():
-  import jax
-  import transformers
-
-  from infer import calibration
-  from pspec_jax import checkpoints, data, decode, drafter_files
-
+def main():
   if FLAGS.batch_size < 1:
     raise ValueError(f"--batch_size must be >= 1, got {FLAGS.batch_size}")
-  transformers.logging.set_verbosity_error()
   dtype = jax.numpy.dtype(FLAGS.dtype)
   tokenizer = checkpoints.load_tokenizer(FLAGS.target)
   # The first MT-Bench question is the context the rounds are timed at.
-  prompt = data.prompt_set("mt_bench", 1)[0]
-  ids = data.encode_prompt(tokenizer, prompt, tokenizer.chat_template is not None)
+  prompt = prompts_lib.prompt_set("mt_bench", 1)[0]
+  ids = prompts_lib.encode_prompt(tokenizer, prompt, tokenizer.chat_template is not None)
   target = checkpoints.load_target(
     FLAGS.target, dtype=dtype, param_dtype=dtype, scan_layers=False, untie_head=True
   )
@@ -66,4 +62,4 @@ def define_flags():
 
 
 if __name__ == "__main__":
-  cli.run(run, define_flags, full_float32=True)
+  cli.run(main, define_flags, full_float32=True)

@@ -23,10 +23,19 @@ line and measured again; it never stops a decode.
 import dataclasses
 import json
 import os
-import statistics
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 import pspec_jax
+from infer import measure as measure_lib
+from pspec_jax import adaptive, decode
+from pspec_jax import drafter as drafter_lib
+from pspec_jax import prompts as prompts_lib
+from pspec_jax import propose as propose_lib
+from pspec_jax import tree as tree_lib
 
 VERSION = 1
 FILE = "round_costs.json"
@@ -38,9 +47,6 @@ def default_path() -> str:
 
 def machine_key(target, batch: int) -> str:
   """The calibration's key: device kind, target, dtype, batch size."""
-  import jax
-  import numpy as np
-
   device = jax.devices()[0]
   dtype = np.dtype(target.cfg.dtype).name
   return f"{device.platform}:{device.device_kind}|{target.cfg.name}|{dtype}|batch={batch}"
@@ -85,31 +91,22 @@ def measure(target, drafter, pool, batch: int, ids: list[int], repeats: int = 15
 
   Returns {candidate spec: {"costs": [without, with lookup], ...times}}.
   """
-  import jax
-  import jax.numpy as jnp
-
-  from pspec_jax import adaptive, cli, data, decode
-  from pspec_jax import drafter as drafter_lib
-  from pspec_jax import tree as tree_lib
-
-  tokens, lengths = data.pad_batch([ids] * batch)
+  tokens, lengths = prompts_lib.pad_batch([ids] * batch)
   key = jax.random.key(0)
   drafter = drafter.with_head(target)
   base = decode.DecodeConfig(max_new_tokens=pool.max_depth + 8)
 
-  def median_ms(fn, *args):
-    jax.block_until_ready(fn(*args))  # compile
-    return 1e3 * statistics.median(cli.timed(fn, *args)[1] for _ in range(repeats))
-
-  init = jax.jit(decode.init, static_argnames="cfg")
-  plain_ms = median_ms(
-    jax.jit(decode.round_step, static_argnames="cfg"),
+  width = tokens.shape[1]
+  plain = decode.make_plan(base, None, width)
+  plain_ms = measure_lib.median_ms(
+    decode.round_step,
+    plain,
     target,
-    init(target, tokens, lengths, key, base),
-    base,
+    None,
+    decode.init(plain, target, None, tokens, lengths, key),
+    repeats=repeats,
   )
   # A verification pass over n nodes: a chain of n - 1 prompt-lookup drafts (no drafter pass).
-  verify = jax.jit(decode.verify, static_argnames="cfg")
   pld = drafter_lib.Drafter(
     cfg=drafter_lib.DrafterConfig.for_target("pld", target.cfg, num_draft=1), params={}
   )
@@ -117,18 +114,23 @@ def measure(target, drafter, pool, batch: int, ids: list[int], repeats: int = 15
   for n in sorted({n for pair in adaptive.verified_nodes(pool) for n in pair}):
     cfg = dataclasses.replace(base, tree="chain", num_draft=max(n - 1, 1))
     d = pld if n > 1 else None
-    verify_ms[n] = median_ms(verify, target, init(target, tokens, lengths, key, cfg, d), cfg, d)
+    plan = decode.make_plan(cfg, d, width)
+    state = decode.init(plan, target, d, tokens, lengths, key)
+    verify_ms[n] = measure_lib.median_ms(decode.verify, plan, target, d, state, repeats=repeats)
   # The drafter's pass per candidate, on pairs as wide as a round of the union tree gives.
-  width = pool.max_depth + 1
-  pairs = drafter_lib.Pairs(
-    tokens=jnp.ones((batch, width), jnp.int32),
-    features=jnp.ones((batch, width, target.cfg.hidden_size), target.cfg.dtype),
+  kept = pool.max_depth + 1
+  pairs = propose_lib.Pairs(
+    tokens=jnp.ones((batch, kept), jnp.int32),
+    features=jnp.ones((batch, kept, target.cfg.hidden_size), target.cfg.dtype),
     count=jnp.ones((batch,), jnp.int32),
   )
-  state = init(target, tokens, lengths, key, base, drafter)
-  feed = jax.jit(drafter_lib.feed)
-  feed_ms = median_ms(feed, drafter, target, state.drafter_cache, pairs)
-  propose = jax.jit(drafter_lib.propose, static_argnames="pool")
+  plan = decode.make_plan(base, drafter, tokens.shape[1])
+  state = decode.init(plan, target, drafter, tokens, lengths, key)
+  feed = jax.jit(propose_lib.feed)
+  feed_ms = measure_lib.median_ms(
+    feed, drafter, target, state.drafter_cache, pairs, repeats=repeats
+  )
+  propose = jax.jit(propose_lib.propose, static_argnames="pool")
   context = (state.tokens, state.num_tokens)
   draft_ms = []
   for cand in pool.candidates:
@@ -137,7 +139,9 @@ def measure(target, drafter, pool, batch: int, ids: list[int], repeats: int = 15
       continue
     drafted = tree_lib.Tree(paths=cand.paths)
     draft_ms.append(
-      median_ms(propose, drafter, target, state.drafter_cache, pairs, context, drafted)
+      measure_lib.median_ms(
+        propose, drafter, target, state.drafter_cache, pairs, context, drafted, repeats=repeats
+      )
     )
   costs = adaptive.relative_costs(
     pool, plain_ms + feed_ms, verify_ms, [ms - feed_ms for ms in draft_ms]
@@ -188,10 +192,8 @@ def costs_for(
   tree): read from the calibration file, the missing ones measured (on prompt `ids`, `batch`
   copies of it) and stored. `log` (default: stderr) gets every measured table and any problem
   with the file; `recalibrate` measures every candidate again."""
-  from pspec_jax import decode
-
   log = log or (lambda text: print(text, file=sys.stderr, flush=True))
-  pool = decode.pool_tree(cfg, drafter)
+  pool = decode.resolve_tree(cfg, drafter)
   if not pool.candidates:
     return ()
   path = path or default_path()

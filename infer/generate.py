@@ -19,42 +19,36 @@ import json
 import sys
 import time
 
+import jax
+import numpy as np
 from absl import flags
 
-from pspec_jax import cli
+from infer import calibration
+from pspec_jax import checkpoints, cli, decode, drafter_files, sharding, tree_specs
+from pspec_jax import prompts as prompts_lib
+from pspec_jax.sampling import SamplingConfig
 
 FLAGS = flags.FLAGS
 
 
 def _prompts() -> list[str]:
-  from pspec_jax import data
-
   if (FLAGS.prompt is None) == (FLAGS.prompts is None):
     raise ValueError("give exactly one of --prompt and --prompts")
   if FLAGS.num_prompts < 0:
     raise ValueError(f"--num_prompts must be >= 0, got {FLAGS.num_prompts}")
   if FLAGS.prompt is not None:
     return [FLAGS.prompt]
-  return data.prompts_from(FLAGS.prompts, FLAGS.num_prompts)
+  return prompts_lib.prompts_from(FLAGS.prompts, FLAGS.num_prompts)
 
 
-def run() -> None:
-  import jax
-  import numpy as np
-  import transformers
-
-  from pspec_jax import checkpoints, data, decode, drafter_files, sharding
-  from pspec_jax import tree as tree_lib
-  from pspec_jax.sampling import SamplingConfig
-
-  transformers.logging.set_verbosity_error()
+def main() -> None:
   sampling = SamplingConfig(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p)
   if FLAGS.batch_size < 1:
     raise ValueError(f"--batch_size must be >= 1, got {FLAGS.batch_size}")
   prompts = _prompts()
   # Flag errors first: they need no model.
   if FLAGS.tree:
-    tree_lib.parse(FLAGS.tree, FLAGS.num_draft or 8)
+    tree_specs.parse(FLAGS.tree, FLAGS.num_draft or 8)
   if FLAGS.num_draft is not None and FLAGS.num_draft < 1:
     raise ValueError(f"--num_draft must be >= 1, got {FLAGS.num_draft}")
   mesh = sharding.make_mesh(**sharding.parse_mesh(FLAGS.mesh)) if FLAGS.mesh else None
@@ -64,7 +58,7 @@ def run() -> None:
   )
   tokenizer = checkpoints.load_tokenizer(FLAGS.target)
   chat = FLAGS.chat if FLAGS.chat is not None else tokenizer.chat_template is not None
-  encoded = [data.encode_prompt(tokenizer, p, chat) for p in prompts]
+  encoded = [prompts_lib.encode_prompt(tokenizer, p, chat) for p in prompts]
   target = checkpoints.load_target(
     FLAGS.target, scan_layers=False, untie_head=True, weight_layout="decode", mesh=mesh
   )
@@ -84,22 +78,20 @@ def run() -> None:
   if mesh is not None:
     _, drafter = decode.shard(mesh, target, drafter)
   check_num_draft(FLAGS.num_draft, cfg, drafter)
-  if drafter is not None and decode.pool_tree(cfg, drafter).candidates:
-    from infer import calibration
-
+  if drafter is not None and decode.resolve_tree(cfg, drafter).candidates:
     # An adaptive tree weighs this machine's round costs: measured once, then read back.
     batch = min(FLAGS.batch_size, len(encoded))
     cfg = dataclasses.replace(
       cfg, costs=calibration.costs_for(target, drafter, cfg, batch, encoded[0])
     )
-  depth = decode.pool_tree(cfg, drafter).max_depth
+  depth = decode.resolve_tree(cfg, drafter).max_depth
   max_width = target.cfg.max_position_embeddings - cfg.max_new_tokens - depth
   live = sys.stdout.isatty() and not FLAGS.json and FLAGS.batch_size == 1
   key = jax.random.key(FLAGS.seed)
   total = dict(tokens=0, drafted=0, rounds=0, seconds=0.0, compile_seconds=0.0)
   for start in range(0, len(prompts), FLAGS.batch_size):
     batch = encoded[start : start + FLAGS.batch_size]
-    tokens, lengths = data.pad_batch(batch, max_width=max_width)
+    tokens, lengths = prompts_lib.pad_batch(batch, max_width=max_width)
     key, batch_key = jax.random.split(key)
     began = time.perf_counter()
     if live:
@@ -180,15 +172,13 @@ def summary(total: dict, method: str, tree: str, num_draft: int) -> str:
 def check_num_draft(num_draft: int | None, cfg, drafter) -> None:
   """`--num_draft` must change what is decoded: a tree that fixes its own depth (explicit
   rank paths, `lookup:L`), or plain decoding, would silently ignore it."""
-  from pspec_jax import tree as tree_lib
-
   if num_draft is None:
     return
   if drafter is None:
     raise ValueError("--num_draft needs a drafting method (--method=pspec, eagle, medusa, pld)")
   spec = cfg.tree or drafter.cfg.tree_for(cfg.sampling.greedy)
   own = drafter.cfg.num_draft
-  if num_draft != own and tree_lib.parse(spec, num_draft) == tree_lib.parse(spec, own):
+  if num_draft != own and tree_specs.parse(spec, num_draft) == tree_specs.parse(spec, own):
     raise ValueError(
       f"--num_draft={num_draft} would change nothing: the tree {spec!r} fixes its own depth. "
       "Give a tree that K sizes (--tree=chain, sparseN or dynamic:N), or drop --num_draft"
@@ -241,4 +231,4 @@ def define_flags():
 
 
 if __name__ == "__main__":
-  cli.run(run, define_flags, full_float32=True)
+  cli.run(main, define_flags, full_float32=True)

@@ -11,9 +11,9 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
-from configs.common import HARDWARE, not_this_host, platform
-from pspec_jax import decode, llama, sharding
+from pspec_jax import decode, llama, sharding, tree_specs
 from pspec_jax import drafter as drafter_lib
+from pspec_jax.presets import HARDWARE, not_this_host, platform
 
 GIB = 1024**3
 
@@ -148,3 +148,38 @@ def compiled_decode_table(
       + f"; total {total / GIB:.3f} {verdict} in {memory_gib:g} GiB"
     )
   return "\n".join(lines)
+
+
+def decode_plan(
+  target: llama.LlamaConfig,
+  kinds: list[str],
+  *,
+  num_draft: int,
+  trees: list[str],
+  batch: int,
+  prompt_width: int,
+  max_new_tokens: int,
+  hardware: str,
+  mesh: dict[str, int],
+) -> str:
+  """The memory plan of decoding on `hardware`'s `mesh`: `decode_memory_table` for drafters of
+  `kinds` at K = `num_draft` and the largest of `trees` ("" is a chain), then
+  `compiled_decode_table` where this host has the hardware's devices."""
+  drafters = [drafter_lib.DrafterConfig.for_target(k, target, num_draft=num_draft) for k in kinds]
+  specs = [t or "chain" for t in trees]
+  parsed = [tree_specs.parse(t, num_draft) for t in specs]
+  largest = max(zip(specs, parsed, strict=True), key=lambda st: st[1].num_verified)[0]
+  shape = dict(batch=batch, prompt_width=prompt_width, max_new_tokens=max_new_tokens)
+  table = decode_memory_table(
+    target,
+    drafters,
+    **shape,
+    tree_nodes=max(t.num_verified for t in parsed),
+    tree_depth=max(t.max_depth for t in parsed),
+    hardware=hardware,
+    mesh=mesh,
+  )
+  compiled = compiled_decode_table(
+    target, drafters, hardware=hardware, mesh=mesh, tree=largest, **shape
+  )
+  return f"{table}\n{compiled}"

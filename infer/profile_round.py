@@ -15,74 +15,43 @@ floor (every weight a step reads, read once at the measured streaming-read bandw
 decide the tree budget on a given machine. Everything is compiled and warmed up before it is
 timed; reported times are medians.
 
-`--target=random:NAME` profiles a published architecture (`configs.common.ARCHITECTURES`:
+`--target=random:NAME` profiles a published architecture (`pspec_jax.presets.ARCHITECTURES`:
 llama2_7b, llama2_13b, llama3_8b, ...) with random weights made on the device, on random
 prompts of `--prompt_tokens` tokens: no checkpoint needed. Its rounds accept next to nothing,
 which changes what a round contains but not what its parts cost.
 """
 
+import dataclasses
+import functools
 import statistics
 
+import jax
+import numpy as np
 from absl import flags
 
-from pspec_jax import cli
+from infer import measure
+from pspec_jax import checkpoints, cli, decode, drafter_files, llama
+from pspec_jax import prompts as prompts_lib
+from pspec_jax.presets import ARCHITECTURES
 
 FLAGS = flags.FLAGS
 
 
-def phase_split(target, drafter, prompts, cfg):
-  """Median ms per round of each phase over every round of every prompt (after warm-up)."""
-  import jax
-
-  from pspec_jax import data, decode
-
-  init = jax.jit(decode.init, static_argnames="cfg")
-  verify = jax.jit(decode.verify, static_argnames="cfg")
-  commit = jax.jit(decode.commit, static_argnames="cfg")
-  draft = jax.jit(decode.draft, static_argnames="cfg")
-  if drafter is not None:
-    drafter = drafter.with_head(target)  # as `decode.generate` does, once per decode
-  times = {"draft": [], "verify": [], "accept+commit": []}
-  for warm_up in (True, False):
-    for ids in prompts[:1] if warm_up else prompts:
-      tokens, lengths = data.pad_batch([ids])
-      state = init(target, tokens, lengths, jax.random.key(0), cfg, drafter)
-      while not bool(state.done.all()):
-        verified, t_verify = cli.timed(verify, target, state, cfg, drafter)
-        (state, pairs), t_commit = cli.timed(commit, state, verified, cfg, drafter)
-        state, t_draft = cli.timed(draft, target, drafter, state, pairs, cfg)
-        if not warm_up:
-          times["verify"].append(t_verify)
-          times["accept+commit"].append(t_commit)
-          times["draft"].append(t_draft)
-  return {k: 1e3 * statistics.median(v) for k, v in times.items()}, len(times["draft"])
-
-
 def verify_cost(target, drafter, ids, cfg, nodes, repeats):
   """Median ms of one verification pass per tree size, and of one plain decoding round."""
-  import dataclasses
-
-  import jax
-
-  from pspec_jax import data, decode
-
-  tokens, lengths = data.pad_batch([ids])
+  tokens, lengths = prompts_lib.pad_batch([ids])
   key = jax.random.key(0)
-
-  def median_ms(fn, *args):
-    jax.block_until_ready(fn(*args))  # compile
-    return 1e3 * statistics.median(cli.timed(fn, *args)[1] for _ in range(repeats))
-
-  plain = jax.jit(decode.round_step, static_argnames="cfg")
-  state = jax.jit(decode.init, static_argnames="cfg")(target, tokens, lengths, key, cfg)
-  ar_ms = median_ms(plain, target, state, cfg)
-  verify = jax.jit(decode.verify, static_argnames="cfg")
+  width = tokens.shape[1]
+  plain = decode.make_plan(cfg, None, width)
+  state = decode.init(plain, target, None, tokens, lengths, key)
+  ar_ms = measure.median_ms(decode.round_step, plain, target, None, state, repeats=repeats)
   out = {}
   for n in nodes:
     tree_cfg = dataclasses.replace(cfg, tree="chain" if n == 1 else f"sparse{n}")
     d = None if n == 1 else drafter
-    state = jax.jit(decode.init, static_argnames="cfg")(target, tokens, lengths, key, tree_cfg, d)
-    out[n] = median_ms(verify, target, state, tree_cfg, d)
+    plan = decode.make_plan(tree_cfg, d, width)
+    state = decode.init(plan, target, d, tokens, lengths, key)
+    out[n] = measure.median_ms(decode.verify, plan, target, d, state, repeats=repeats)
   return ar_ms, out
 
 
@@ -93,13 +62,6 @@ def random_target(name: str, dtype, weight_layout: str, seed: int = 0):
   """A target of the published architecture `name` with random weights, made on the device,
   laid out as the decoding programs load a real one: per-layer weights, a tied LM head as its
   own [D, V] array (`checkpoints.load_target(..., untie_head=True)`), in `weight_layout`."""
-  import functools
-
-  import jax
-
-  from configs.common import ARCHITECTURES
-  from pspec_jax import checkpoints, llama
-
   if name not in ARCHITECTURES:
     raise ValueError(f"unknown architecture {name!r}: known are {', '.join(ARCHITECTURES)}")
   cfg = llama.LlamaConfig(
@@ -118,20 +80,14 @@ def random_target(name: str, dtype, weight_layout: str, seed: int = 0):
 def load(spec: str, dtype, weight_layout: str, num_prompts: int, prompt_tokens: int):
   """The target, its encoded prompts (MT-Bench first turns, or random ids for a random target)
   and its EOS ids."""
-  import numpy as np
-  import transformers
-
-  from pspec_jax import checkpoints, data
-
   if spec.startswith(RANDOM):
     target = random_target(spec.removeprefix(RANDOM), dtype, weight_layout)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, target.cfg.vocab_size, (num_prompts, prompt_tokens)).tolist()
     return target, ids, ()
-  transformers.logging.set_verbosity_error()
   tokenizer = checkpoints.load_tokenizer(spec)
-  prompts = data.prompt_set("mt_bench", num_prompts)
-  encoded = [data.encode_prompt(tokenizer, p, tokenizer.chat_template is not None) for p in prompts]
+  prompts = prompts_lib.prompt_set("mt_bench", num_prompts)
+  encoded = measure.encode_prompts(tokenizer, prompts, source="mt_bench", count=num_prompts)
   target = checkpoints.load_target(
     spec,
     dtype=dtype,
@@ -143,14 +99,7 @@ def load(spec: str, dtype, weight_layout: str, num_prompts: int, prompt_tokens: 
   return target, encoded, checkpoints.eos_token_ids(spec, tokenizer)
 
 
-def run():
-  import dataclasses
-
-  import jax
-
-  from infer import bench
-  from pspec_jax import decode, drafter_files
-
+def main():
   dtype = jax.numpy.dtype(FLAGS.dtype)
   target, encoded, eos_ids = load(
     FLAGS.target, dtype, FLAGS.weight_layout, FLAGS.num_prompts, FLAGS.prompt_tokens
@@ -176,11 +125,11 @@ def run():
   for method in FLAGS.methods:
     spec = None if method in ("none", "pld") else FLAGS.drafter
     drafter = drafter_files.resolve_drafter(method, spec, target, num_draft=FLAGS.num_draft)
-    ms, rounds = phase_split(target, drafter, encoded, timed_cfg)
+    ms, rounds = measure.phase_split(target, drafter, encoded, timed_cfg)
     total = sum(ms.values())
     shares = " / ".join(f"{100 * ms[k] / total:.0f}%" for k in ms)
     loop_s = statistics.median(
-      bench.round_seconds(target, drafter, ids, timed_cfg)[0] for ids in encoded
+      measure.round_seconds(target, drafter, ids, timed_cfg)[0] for ids in encoded
     )
     print(
       f"| {method} | {rounds} | {ms['draft']:.2f} | {ms['verify']:.2f} | "
@@ -198,7 +147,7 @@ def run():
   print("|---|---|---|")
   for n, ms in verify_ms.items():
     print(f"| {n} | {ms:.2f} | {ms / ar_ms:.2f} |", flush=True)
-  step = bench.step_profile(target, encoded[0], cfg)
+  step = measure.step_profile(target, encoded[0], cfg)
   print(
     f"\nPlain decode step (rounds in the while_loop) {step['decode_step_ms']:.2f} ms; "
     f"memory-bandwidth floor {step['bandwidth_floor_ms']:.2f} ms "
@@ -236,4 +185,4 @@ def define_flags():
 
 
 if __name__ == "__main__":
-  cli.run(run, define_flags, full_float32=True)
+  cli.run(main, define_flags, full_float32=True)

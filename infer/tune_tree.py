@@ -19,41 +19,45 @@ Expected speedup = tokens per round x plain round time / round time, at temperat
    lookup chain (`+lookup:L`) make a round's cost depend on the text, so the fastest static
    tree, with and without a chain, gated at each `--gates` P, and the chain alone, are decoded
    over the calibration prompts at each `--temperatures` T against plain decoding, interleaved
-   prompt by prompt (`infer.bench`'s measurement), and the fastest is chosen per temperature.
+   prompt by prompt (`infer.measure`, as `infer.bench` measures), and the fastest is chosen per
+   temperature.
 The tool prints the tables and the `--tree` flags (`infer.generate`, `infer.bench`); `--write`
 stores the choices as the drafter's own trees in its drafter.json, for this kind of device
 (`device_trees.<cpu|gpu|tpu>`: `tree` at T = 0, `sampling_tree` above). Calibration prompts
 default to ShareGPT's held-out split, so a benchmark on MT-Bench stays out of sample.
 """
 
+import dataclasses
+import functools
 import json
 import os
 import statistics
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 from absl import flags
 
-from pspec_jax import cli
+from infer import measure
+from pspec_jax import checkpoints, cli, decode, drafter_files
+from pspec_jax import drafter as drafter_lib
+from pspec_jax import prompts as prompts_lib
+from pspec_jax import tree as tree_lib
 
 FLAGS = flags.FLAGS
 
 
 def acceptance_rates(target, drafter, prompts, cfg, batch_size):
   """How often each rank path of the pool `cfg.tree` is accepted, per round; and the rounds."""
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
+  pool = decode.resolve_tree(cfg, drafter)
 
-  from pspec_jax import data, decode
-
-  pool = decode.pool_tree(cfg, drafter)
-
-  @jax.jit
-  def calibration_round(state):
+  @functools.partial(jax.jit, static_argnums=0)
+  def calibration_round(plan, state):
     # decode.round_step's three steps, keeping the path that commit accepts.
-    verified = decode.verify(target, state, cfg, drafter)
-    path_BP1, num_accepted_B, _ = decode.accept_path(state, verified, cfg, drafter)
-    after, pairs = decode.commit(state, verified, cfg, drafter)
-    after = decode.draft(target, drafter, after, pairs, cfg)
+    verified = decode.verify(plan, target, drafter, state)
+    path_BP1, num_accepted_B, _ = decode.accept_path(plan, state, verified)
+    after, pairs = decode.commit(plan, state, verified)
+    after = decode.draft(plan, target, drafter, after, pairs)
     # Count what the round kept, as decoding's own statistics do: the accepted path, cut at an
     # EOS or the token budget; nothing for finished sequences.
     kept_B = after.num_tokens - state.num_tokens
@@ -61,13 +65,13 @@ def acceptance_rates(target, drafter, prompts, cfg, batch_size):
     hits_M = jnp.zeros(pool.num_nodes, jnp.int32).at[path_BP1].add(on_path.astype(jnp.int32))
     return after, hits_M, (~state.done).sum()
 
-  init = jax.jit(decode.init, static_argnames="cfg")
   hits, rounds = np.zeros(pool.num_nodes, np.int64), 0
   for start in range(0, len(prompts), batch_size):
-    tokens, lengths = data.pad_batch(prompts[start : start + batch_size])
-    state = init(target, tokens, lengths, jax.random.key(0), cfg, drafter)
+    tokens, lengths = prompts_lib.pad_batch(prompts[start : start + batch_size])
+    plan = decode.make_plan(cfg, drafter, tokens.shape[1])
+    state = decode.init(plan, target, drafter, tokens, lengths, jax.random.key(0))
     while not bool(state.done.all()):
-      state, hits_M, active = calibration_round(state)
+      state, hits_M, active = calibration_round(plan, state)
       hits += np.asarray(hits_M)
       rounds += int(active)
   rates = {p: hits[i + 1] / max(rounds, 1) for i, p in enumerate(pool.paths)}
@@ -80,19 +84,17 @@ def round_costs(target, ids, runs, repeats):
   The runs take turns round by round, so machine noise hits them alike; each first compiles
   and runs two warm-up rounds.
   """
-  import jax
-
-  from pspec_jax import data, decode
-
-  tokens, lengths = data.pad_batch([ids])
-  init = jax.jit(decode.init, static_argnames="cfg")
-  step = jax.jit(decode.round_step, static_argnames="cfg")
+  tokens, lengths = prompts_lib.pad_batch([ids])
   key = jax.random.key(0)
-  states = [init(target, tokens, lengths, key, cfg, drafter) for cfg, drafter in runs]
+  plans = [decode.make_plan(cfg, drafter, tokens.shape[1]) for cfg, drafter in runs]
+  states = [
+    decode.init(plan, target, drafter, tokens, lengths, key)
+    for plan, (_, drafter) in zip(plans, runs, strict=True)
+  ]
   times = [[] for _ in runs]
   for _ in range(repeats + 2):
-    for i, (cfg, drafter) in enumerate(runs):
-      states[i], seconds = cli.timed(step, target, states[i], cfg, drafter)
+    for i, (plan, (_, drafter)) in enumerate(zip(plans, runs, strict=True)):
+      states[i], seconds = measure.timed(decode.round_step, plan, target, drafter, states[i])
       times[i].append(seconds)
   return [1e3 * statistics.median(t[2:]) for t in times]
 
@@ -105,17 +107,12 @@ def tune(
   Rows: nodes (root included), tree spec, expected tokens per round, ms per round, expected
   speedup over plain decoding (the row with 1 node is plain decoding itself).
   """
-  import dataclasses
-
-  from pspec_jax import decode
-  from pspec_jax import tree as tree_lib
-
   num_draft = drafter.cfg.num_draft
   pool = tree_lib.Tree(paths=tree_lib.grow(pool_nodes, num_draft))
   cfg = decode.DecodeConfig(
     max_new_tokens=max_new_tokens, eos_ids=eos_ids, num_draft=num_draft, tree=pool.spec
   )
-  decode.check_drafter(target, drafter, cfg)
+  decode.check_drafter(target, drafter)
   rates, rounds = acceptance_rates(target, drafter, prompts, cfg, batch_size)
   trees = []
   for n in sorted(set(sizes)):
@@ -158,22 +155,21 @@ def tune_end_to_end(
 ):
   """Decodes `prompts` with each of `trees` and plainly, at each temperature, interleaved.
 
-  Returns `infer.bench` rows (plain decoding's have method `none`) and the fastest tree per
+  Returns `infer.measure` rows (plain decoding's have method `none`) and the fastest tree per
   temperature.
   """
-  from infer import bench
-  from pspec_jax import data
-
-  width = data.bucket(max(map(len, prompts)))
+  width = prompts_lib.bucket(max(map(len, prompts)))
   settings, runners = [], {}
   for t in temperatures:
     for tree in ["", *trees]:
       k = drafter.cfg.num_draft if tree else 0
-      s = bench.Setting(drafter.cfg.kind if tree else "none", "calibration", t, batch_size, k, tree)
+      s = measure.Setting(
+        drafter.cfg.kind if tree else "none", "calibration", t, batch_size, k, tree
+      )
       cfg = s.decode_config(max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id)
-      runners[s] = bench.OurMethod(target, drafter if tree else None, cfg, pad_id, width)
+      runners[s] = measure.OurMethod(target, drafter if tree else None, cfg, pad_id, width)
       settings.append(s)
-  rows = bench.measure(settings, runners, {"calibration": prompts}, seed=0)
+  rows = measure.measure(settings, runners, {"calibration": prompts}, seed=0)
   best = {}
   for t in temperatures:
     mine = [r for r in rows if r["temperature"] == t and r["tree"]]
@@ -184,8 +180,6 @@ def tune_end_to_end(
 def write_trees(directory: str, best: dict[float, str], platform: str) -> None:
   """Stores the chosen trees in a drafter file for the platform they were timed on
   (`device_trees`): `tree` for T = 0, `sampling_tree` for T > 0. Other platforms keep theirs."""
-  from pspec_jax import drafter_files
-
   path = os.path.join(directory, drafter_files.CONFIG_FILE)
   with open(path) as fh:
     config = json.load(fh)
@@ -196,14 +190,7 @@ def write_trees(directory: str, best: dict[float, str], platform: str) -> None:
     fh.write(json.dumps(config, indent=2) + "\n")
 
 
-def run():
-  import jax
-  import transformers
-
-  from pspec_jax import checkpoints, data, drafter_files
-  from pspec_jax import drafter as drafter_lib
-
-  transformers.logging.set_verbosity_error()
+def main():
   if FLAGS.method not in drafter_lib.KINDS:
     raise ValueError(
       f"--method must be one of {', '.join(drafter_lib.KINDS)}, got {FLAGS.method!r}"
@@ -223,11 +210,13 @@ def run():
   if FLAGS.write and directory in (None, "random"):
     raise ValueError("--write needs a drafter directory (a trained drafter, not pld or random)")
   tokenizer = checkpoints.load_tokenizer(FLAGS.target)
-  chat = tokenizer.chat_template is not None
-  encoded = [data.encode_prompt(tokenizer, p, chat) for p in data.prompts_from(FLAGS.prompts)]
-  prompts = [ids for ids in encoded if len(ids) <= FLAGS.max_prompt_tokens][: FLAGS.num_prompts]
-  if not prompts:
-    raise ValueError(f"no prompt of {FLAGS.prompts} fits --max_prompt_tokens")
+  prompts = measure.encode_prompts(
+    tokenizer,
+    prompts_lib.prompts_from(FLAGS.prompts),
+    source=FLAGS.prompts,
+    count=FLAGS.num_prompts,
+    max_tokens=FLAGS.max_prompt_tokens,
+  )
   target = checkpoints.load_target(
     FLAGS.target, scan_layers=False, untie_head=True, weight_layout="decode"
   )
@@ -339,4 +328,4 @@ def define_flags():
 
 
 if __name__ == "__main__":
-  cli.run(run, define_flags, full_float32=True)
+  cli.run(main, define_flags, full_float32=True)

@@ -1,4 +1,4 @@
-"""Acceptance of a verified token tree (DESIGN.md section 3, step 5).
+"""Acceptance of a verified token tree (docs/design.md section 3.5).
 
 One walk serves greedy decoding and sampling. Starting at the root, the children of the current
 node are tried in rank order:
@@ -36,6 +36,8 @@ import jax.numpy as jnp
 
 from pspec_jax.sampling import SamplingConfig, argmax, categorical, filtered_logits
 from pspec_jax.tree import TreeArrays
+
+__all__ = ["accept"]
 
 
 def accept(

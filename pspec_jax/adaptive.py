@@ -1,5 +1,5 @@
 """Adaptive rounds: each round verifies the candidate tree that promises the most tokens per unit
-of this machine's cost (DESIGN.md section 3, "Adaptive rounds").
+of this machine's cost (docs/design.md section 3.7).
 
 DISCO (Mamou et al.) decides per round whether to draft further; DiffuSpec's adaptive draft
 length sets the next proposal's size from recent acceptance. Here the decision also weighs what

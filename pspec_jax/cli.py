@@ -1,4 +1,4 @@
-"""What the project's command-line programs share: one way to run a main, and a timer.
+"""What the project's command-line programs share: one way to run a main, and a compile clock.
 
 Every program (`train.distill`, `train.selfdistill`, `infer.generate`, `infer.bench`,
 `infer.profile_round`, `infer.tune_tree`) ends bad input with one `error:` line and exit code 1,
@@ -12,7 +12,6 @@ compute float32 matrix products in float32 (`full_float32_matmuls`).
 import contextlib
 import os
 import sys
-import time
 
 from absl import app, flags, logging
 
@@ -100,6 +99,10 @@ def run(main, define_flags, full_float32: bool = False) -> None:
     if not FLAGS["verbosity"].present:
       logging.set_verbosity(logging.WARNING)  # jax logs its backend probing at INFO
     keep_compiled_programs()
+    # Deferred to here, past the flags, so that `--help` needs no transformers.
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # its warnings about tokenizers and models
     try:
       with full_float32_matmuls() if full_float32 else contextlib.nullcontext():
         main()
@@ -153,12 +156,3 @@ class CompileClock:
         total += end - max(start, reach)
         reach = end
     return total
-
-
-def timed(fn, *args):
-  """(fn(*args), seconds), waiting for the result on the device."""
-  import jax
-
-  began = time.perf_counter()
-  out = jax.block_until_ready(fn(*args))
-  return out, time.perf_counter() - began

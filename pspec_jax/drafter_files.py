@@ -5,21 +5,39 @@ candidate set of its `adaptive` tree, plus per-device ones, `device_trees`), lay
 the identity of the target it was built for (name, vocab size, feature width); loading it
 against another target is one clear error. Parameters are stored flat (`block/attn/q`, ...),
 in float32 or bfloat16, next to the token ids of a restricted draft vocabulary (`draft_vocab`),
-if the drafter has one.
+if the drafter has one. A drafter directory may be local or a URL such as gs://bucket/export:
+both are written and read through `etils.epath`.
 """
 
 import json
 import os
+import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 from flax import traverse_util
 
-from pspec_jax import tree as tree_lib
-from pspec_jax.checkpoints import read_safetensors
+from pspec_jax import tree_specs
 from pspec_jax.drafter import KINDS, Drafter, DrafterConfig, init_params, random_drafter
 from pspec_jax.llama import LlamaConfig, RopeScaling, Target
+from pspec_jax.weights import read_safetensors
+
+__all__ = [
+  "CONFIG_FILE",
+  "DEVICE_TREES",
+  "FORMAT_VERSION",
+  "PARAMS_FILE",
+  "SHIPPED_DIR",
+  "VOCAB_TENSOR",
+  "drafter_source",
+  "load_drafter",
+  "read_drafter_config",
+  "resolve_drafter",
+  "save_drafter",
+  "shipped_drafter",
+]
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "drafter.json"
@@ -41,7 +59,7 @@ _LAYER_FIELDS = {  # name -> type
 
 
 def save_drafter(
-  directory: str, drafter: Drafter, extra: dict | None = None, dtype=np.float32
+  directory: str | os.PathLike, drafter: Drafter, extra: dict | None = None, dtype=np.float32
 ) -> None:
   """Writes the drafter's config and parameters (plus `extra` notes in the JSON).
 
@@ -49,7 +67,6 @@ def save_drafter(
   `etils.epath`). `dtype` is the storage type of the parameters (e.g. `ml_dtypes.bfloat16` to
   halve the file); they are loaded back in the drafter's own `param_dtype`.
   """
-  from etils import epath
   from safetensors.numpy import save
 
   drafter = drafter.with_weight_layout("plain")  # files hold the plain layout
@@ -80,7 +97,7 @@ def save_drafter(
 
 
 def read_drafter_config(
-  directory: str, target: LlamaConfig, platform: str | None = None
+  directory: str | os.PathLike, target: LlamaConfig, platform: str | None = None
 ) -> DrafterConfig:
   """The config of a drafter saved by `save_drafter`, checked against the target it is for;
   reads `drafter.json` only. One ValueError for any bad input.
@@ -89,12 +106,11 @@ def read_drafter_config(
   (default: JAX's backend, `cpu`, `gpu` or `tpu`), else the file's `tree` and `sampling_tree`:
   the tree that decodes fastest depends on what a verified node costs on the device.
   """
-  config_path = os.path.join(directory, CONFIG_FILE)
-  if not os.path.isfile(config_path):
+  config_path = epath.Path(directory) / CONFIG_FILE
+  if not config_path.is_file():
     raise ValueError(f"drafter not found: {config_path} does not exist")
   try:
-    with open(config_path) as fh:
-      config = json.load(fh)
+    config = json.loads(config_path.read_text())
     identity = config["target"]
     identity = (identity["name"], identity["vocab_size"], identity["hidden_size"])
   except (ValueError, KeyError, TypeError) as e:
@@ -127,7 +143,7 @@ def read_drafter_config(
         if name == "adaptive":
           spec = f"adaptive:{spec}"
         try:
-          tree_lib.parse(spec, num_draft)
+          tree_specs.parse(spec, num_draft)
         except ValueError as e:
           raise ValueError(f"{DEVICE_TREES}.{platform_name}.{name}: {e}") from None
     trees = device_trees.get(platform or jax.default_backend(), {})
@@ -148,8 +164,9 @@ def read_drafter_config(
   return cfg
 
 
-def load_drafter(directory: str, target: Target) -> Drafter:
-  """Reads a drafter saved by `save_drafter` for `target`. One ValueError for any bad input."""
+def load_drafter(directory: str | os.PathLike, target: Target) -> Drafter:
+  """Reads a drafter saved by `save_drafter` for `target` (a local directory or a URL such as
+  gs://bucket/export, read through `etils.epath`). One ValueError for any bad input."""
   # Files hold the plain layout; the drafter takes the target's once read.
   cfg = read_drafter_config(directory, target.cfg).replace(weight_layout="plain")
   expected = traverse_util.flatten_dict(
@@ -157,7 +174,7 @@ def load_drafter(directory: str, target: Target) -> Drafter:
   )
   if cfg.draft_vocab_size:
     expected[VOCAB_TENSOR] = jax.ShapeDtypeStruct((cfg.draft_vocab_size,), np.int32)
-  stored = read_safetensors(os.path.join(directory, PARAMS_FILE)) if expected else {}
+  stored = _read_tensors(epath.Path(directory) / PARAMS_FILE) if expected else {}
   params = {}
   for name, spec in expected.items():
     if name not in stored or tuple(stored[name].shape) != spec.shape:
@@ -173,6 +190,22 @@ def load_drafter(directory: str, target: Target) -> Drafter:
   params = {k: jnp.asarray(np.asarray(v, np.float32), cfg.param_dtype) for k, v in params.items()}
   drafter = Drafter(cfg=cfg, params=traverse_util.unflatten_dict(params, sep="/"), vocab=vocab)
   return drafter.with_weight_layout(target.cfg.weight_layout)
+
+
+def _read_tensors(path: epath.Path) -> dict[str, np.ndarray]:
+  """The tensors of a parameters file: memory-mapped where the file is local; a remote one
+  (gs://...) is copied to a temporary local file first."""
+  if "://" not in os.fspath(path):
+    return read_safetensors(os.fspath(path))
+  try:
+    data = path.read_bytes()
+  except OSError as e:
+    raise ValueError(f"cannot read {path}: {e}") from None
+  with tempfile.TemporaryDirectory() as tmp:
+    local = os.path.join(tmp, PARAMS_FILE)
+    with open(local, "wb") as fh:
+      fh.write(data)
+    return {name: np.array(x) for name, x in read_safetensors(local).items()}
 
 
 def shipped_drafter(target_name: str, kind: str) -> str | None:
@@ -203,8 +236,8 @@ def drafter_source(method: str, spec: str | None, target_name: str) -> str | Non
       f"--method={method} needs --drafter (a drafter directory, or random): no {method} "
       f"drafter ships for target {target_name!r}"
     )
-  config_path = os.path.join(spec, CONFIG_FILE)
-  if spec != "random" and not os.path.isfile(config_path):
+  config_path = epath.Path(spec) / CONFIG_FILE
+  if spec != "random" and not config_path.is_file():
     raise ValueError(f"drafter not found: {config_path} does not exist")
   return spec
 
@@ -221,7 +254,7 @@ def resolve_drafter(
   if method == "none":
     return None
   if method == "pld":
-    # Prompt lookup verifies its K tokens only in rounds that found a match (`tree.parse`);
+    # Prompt lookup verifies its K tokens only in rounds that found a match (`tree_specs.parse`);
     # adaptive, also K more, or none, by how often its chains were accepted.
     cfg = DrafterConfig.for_target(
       "pld",

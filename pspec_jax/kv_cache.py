@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+__all__ = ["KVCache"]
+
 
 @struct.dataclass
 class KVCache:

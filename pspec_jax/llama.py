@@ -24,11 +24,22 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
-from pspec_jax import panels
+from pspec_jax import layers, panels
 from pspec_jax.kv_cache import KVCache
+
+__all__ = [
+  "Attention",
+  "Block",
+  "Llama",
+  "LlamaConfig",
+  "Mlp",
+  "RopeScaling",
+  "Target",
+  "init_boxed",
+  "init_params",
+]
 
 Dtype = Any
 
@@ -101,148 +112,6 @@ class LlamaConfig:
     return dataclasses.replace(self, **changes)
 
 
-def rope_inv_freq(cfg: LlamaConfig) -> np.ndarray:
-  """Inverse frequencies [H/2] in float32, as HF computes them (incl. Llama-3 scaling)."""
-  h = cfg.head_dim
-  inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, h, 2, dtype=np.int64).astype(np.float32) / h))
-  inv_freq = inv_freq.astype(np.float32)
-  s = cfg.rope_scaling
-  if s is None:
-    return inv_freq
-  old_len = s.original_max_position_embeddings
-  low_freq_wavelen = old_len / s.low_freq_factor
-  high_freq_wavelen = old_len / s.high_freq_factor
-  wavelen = 2 * math.pi / inv_freq
-  scaled = np.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
-  smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-  smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-  medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-  return np.where(medium, smoothed, scaled).astype(np.float32)
-
-
-def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-  """Rotates q or k by position, HF "rotate half" layout. Angles in float32 for accuracy."""
-  freqs_BTh = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
-  angles_BTH = jnp.concatenate([freqs_BTh, freqs_BTh], axis=-1)[..., None, :]
-  cos, sin = jnp.cos(angles_BTH), jnp.sin(angles_BTH)
-  x = x_BTNH.astype(jnp.float32)
-  x1, x2 = jnp.split(x, 2, axis=-1)
-  rotated = jnp.concatenate([-x2, x1], axis=-1)
-  return (x * cos + rotated * sin).astype(x_BTNH.dtype)
-
-
-def _param(module, name, init, shape, axes, dtype):
-  return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
-
-
-# Every dense weight, by parameter name: the number of input and output axes of its plain
-# layout (leading axes, such as stacked layers, come before them).
-DENSE_AXES = {
-  "q": (1, 2),
-  "k": (1, 2),
-  "v": (1, 2),
-  "o": (2, 1),
-  "gate": (1, 1),
-  "up": (1, 1),
-  "down": (1, 1),
-  "lm_head": (1, 1),
-  "fuse": (1, 1),
-}
-
-
-def dense_param(module, name, in_shape, out_shape, axes, cfg: "LlamaConfig"):
-  """A dense weight declared in `cfg.weight_layout`: plain `in_shape + out_shape` with the
-  logical `axes`, or panels of the flattened [prod(in), prod(out)] matrix (never sharded)."""
-  init = nn.initializers.normal(0.02)
-  if cfg.weight_layout == "panels":
-    shape = panels.packed_shape(math.prod(in_shape), math.prod(out_shape))
-    return _param(module, name, init, shape, (None, None, None), cfg.param_dtype)
-  return _param(module, name, init, (*in_shape, *out_shape), axes, cfg.param_dtype)
-
-
-def dense(cfg: "LlamaConfig", x_XK, w, n: int, preferred_element_type=None):
-  """x @ W in the compute dtype, for W in `cfg.weight_layout`: [..., K] -> [..., n].
-
-  The one matrix product of every layer, whatever the layout: plain weights are reshaped
-  (free for row-major arrays; a two-axis contraction made XLA:CPU copy the weight every step).
-  """
-  x = x_XK.astype(cfg.dtype)
-  w = w.astype(cfg.dtype)
-  if cfg.weight_layout == "panels":
-    return panels.matmul(x, w, n, preferred_element_type)
-  return jnp.matmul(x, w.reshape(x.shape[-1], n), preferred_element_type=preferred_element_type)
-
-
-def relayout(params: dict, layout: str, plain_shapes: dict) -> dict:
-  """Every dense weight (`DENSE_AXES`) of `params` moved to `layout`; other leaves as they are.
-
-  `plain_shapes` is the tree of the parameters' plain shapes (e.g. `jax.eval_shape` of the
-  plain model's init), which says how wide a padded panel weight really is.
-  """
-  if layout not in panels.LAYOUTS:
-    raise ValueError(f"unknown weight layout {layout!r}: use one of {panels.LAYOUTS}")
-
-  def move(path, w, plain):
-    name = path[-1].key if hasattr(path[-1], "key") else None
-    if name not in DENSE_AXES:
-      return w
-    n_in, n_out = DENSE_AXES[name]
-    lead = plain.shape[: len(plain.shape) - n_in - n_out]
-    k = math.prod(plain.shape[len(lead) : len(lead) + n_in])
-    n = math.prod(plain.shape[len(lead) + n_in :])
-    is_panels = w.shape != plain.shape
-    if layout == "panels" and not is_panels:
-      return panels.pack(w.reshape(*lead, k, n))
-    if layout == "plain" and is_panels:
-      return panels.unpack(w, n).reshape(plain.shape)
-    return w
-
-  return jax.tree_util.tree_map_with_path(move, params, plain_shapes)
-
-
-class RMSNorm(nn.Module):
-  """Root-mean-square norm, computed in float32 like HF's LlamaRMSNorm."""
-
-  cfg: LlamaConfig
-
-  @nn.compact
-  def __call__(self, x):
-    scale = _param(
-      self, "scale", nn.initializers.ones, (x.shape[-1],), ("embed",), self.cfg.param_dtype
-    )
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.cfg.rms_norm_eps)
-    return (scale.astype(jnp.float32) * x32).astype(self.cfg.dtype)
-
-
-def _cache_scores(q_BTKGH, k_BSKH):
-  """q . k over cache slots: [B, T, K, G, S], reading the cache in its stored layout.
-
-  A dot with (B, K) as batch dimensions makes XLA transpose every layer's cache slice to
-  [B, K, S, H] first, a full copy per step that cost more than the weights at batch 8. Here
-  each query is spread over all K*H columns with zeros outside its own head (K times the
-  flops, nothing next to the weights at decode sizes), so the cache is read as a plain
-  [B, S, K*H] matrix.
-  """
-  b, t, k, g, h = q_BTKGH.shape
-  own = jnp.eye(k, dtype=q_BTKGH.dtype)
-  q_BQC = jnp.einsum("BTKGH,KJ->BTKGJH", q_BTKGH, own).reshape(b, t * k * g, k * h)
-  k_BSC = k_BSKH.reshape(b, k_BSKH.shape[1], k * h)
-  scores = jnp.einsum("BQC,BSC->BQS", q_BQC, k_BSC, preferred_element_type=jnp.float32)
-  return scores.reshape(b, t, k, g, -1)
-
-
-def _cache_values(probs_BTKGS, v_BSKH):
-  """probs . v over cache slots: [B, T, K, G, H], the cache read as [B, S, K*H] (see above)."""
-  b, t, k, g, s = probs_BTKGS.shape
-  h = v_BSKH.shape[-1]
-  out = jnp.einsum(
-    "BQS,BSC->BQC", probs_BTKGS.reshape(b, t * k * g, s), v_BSKH.reshape(b, s, k * h)
-  )
-  own = jnp.eye(k, dtype=out.dtype)
-  return jnp.einsum("BTKGJH,KJ->BTKGH", out.reshape(b, t, k, g, k, h), own)
-
-
 class Attention(nn.Module):
   """Grouped-query attention over cache slots plus the new tokens."""
 
@@ -251,10 +120,10 @@ class Attention(nn.Module):
   def setup(self):
     cfg = self.cfg
     d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    self.wq = dense_param(self, "q", (d,), (n, h), ("embed", "q_heads", "head_dim"), cfg)
-    self.wk = dense_param(self, "k", (d,), (k, h), ("embed", "kv_heads", "head_dim"), cfg)
-    self.wv = dense_param(self, "v", (d,), (k, h), ("embed", "kv_heads", "head_dim"), cfg)
-    self.wo = dense_param(self, "o", (n, h), (d,), ("q_heads", "head_dim", "embed"), cfg)
+    self.wq = layers.dense_param(self, "q", (d,), (n, h), ("embed", "q_heads", "head_dim"), cfg)
+    self.wk = layers.dense_param(self, "k", (d,), (k, h), ("embed", "kv_heads", "head_dim"), cfg)
+    self.wv = layers.dense_param(self, "v", (d,), (k, h), ("embed", "kv_heads", "head_dim"), cfg)
+    self.wo = layers.dense_param(self, "o", (n, h), (d,), ("q_heads", "head_dim", "embed"), cfg)
 
   def _qkv(self, x_XD, positions_X):
     """q [..., N, H] and k, v [..., K, H] of any leading shape, RoPE applied to q and k."""
@@ -262,17 +131,21 @@ class Attention(nn.Module):
     n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     lead = x_XD.shape[:-1]
     # Projections as 2-D matmuls over flattened heads (`dense`).
-    q = dense(cfg, x_XD, self.wq, n * h).reshape(*lead, n, h)
-    k_ = dense(cfg, x_XD, self.wk, k * h).reshape(*lead, k, h)
-    v = dense(cfg, x_XD, self.wv, k * h).reshape(*lead, k, h)
-    inv_freq = rope_inv_freq(cfg)
-    return apply_rope(q, positions_X, inv_freq), apply_rope(k_, positions_X, inv_freq), v
+    q = layers.dense(cfg, x_XD, self.wq, n * h).reshape(*lead, n, h)
+    k_ = layers.dense(cfg, x_XD, self.wk, k * h).reshape(*lead, k, h)
+    v = layers.dense(cfg, x_XD, self.wv, k * h).reshape(*lead, k, h)
+    inv_freq = layers.rope_inv_freq(cfg)
+    return (
+      layers.apply_rope(q, positions_X, inv_freq),
+      layers.apply_rope(k_, positions_X, inv_freq),
+      v,
+    )
 
   def _out(self, out_XNH):
     cfg = self.cfg
     n, h = cfg.num_heads, cfg.head_dim
     flat = out_XNH.reshape(*out_XNH.shape[:-2], n * h)
-    return dense(cfg, flat, self.wo, cfg.hidden_size)
+    return layers.dense(cfg, flat, self.wo, cfg.hidden_size)
 
   def __call__(self, x_BTD, positions_BT, mask_BTT, cache_kv, cache_len_B):
     cfg = self.cfg
@@ -288,7 +161,7 @@ class Attention(nn.Module):
     if cache_kv is not None:
       # Keys are [cache slots..., new tokens...]; slot s is visible iff s < cache_len[b].
       k_BSKH, v_BSKH = cache_kv
-      cache_scores = _cache_scores(q_BTKGH, k_BSKH.astype(dt)) * scale
+      cache_scores = layers.cache_scores(q_BTKGH, k_BSKH.astype(dt)) * scale
       visible_BS = jnp.arange(k_BSKH.shape[1])[None, :] < cache_len_B[:, None]
       visible_BTS = jnp.broadcast_to(visible_BS[:, None, :], (b, t, k_BSKH.shape[1]))
       scores = jnp.concatenate([cache_scores, scores], axis=-1)
@@ -297,7 +170,7 @@ class Attention(nn.Module):
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
     if cache_kv is not None:
       s = k_BSKH.shape[1]
-      out = _cache_values(probs[..., :s], v_BSKH.astype(dt))
+      out = layers.cache_values(probs[..., :s], v_BSKH.astype(dt))
       out = out + jnp.einsum("BTKGU,BUKH->BTKGH", probs[..., s:], v_BTKH)
     else:
       out = jnp.einsum("BTKGU,BUKH->BTKGH", probs, v_BTKH)
@@ -336,11 +209,11 @@ class Mlp(nn.Module):
   def __call__(self, x_BTD):
     cfg = self.cfg
     d, f = cfg.hidden_size, cfg.intermediate_size
-    gate = dense_param(self, "gate", (d,), (f,), ("embed", "mlp"), cfg)
-    up = dense_param(self, "up", (d,), (f,), ("embed", "mlp"), cfg)
-    down = dense_param(self, "down", (f,), (d,), ("mlp", "embed"), cfg)
-    h_BTF = nn.silu(dense(cfg, x_BTD, gate, f)) * dense(cfg, x_BTD, up, f)
-    return dense(cfg, h_BTF, down, d)
+    gate = layers.dense_param(self, "gate", (d,), (f,), ("embed", "mlp"), cfg)
+    up = layers.dense_param(self, "up", (d,), (f,), ("embed", "mlp"), cfg)
+    down = layers.dense_param(self, "down", (f,), (d,), ("mlp", "embed"), cfg)
+    h_BTF = nn.silu(layers.dense(cfg, x_BTD, gate, f)) * layers.dense(cfg, x_BTD, up, f)
+    return layers.dense(cfg, h_BTF, down, d)
 
 
 class Block(nn.Module):
@@ -349,9 +222,9 @@ class Block(nn.Module):
   cfg: LlamaConfig
 
   def setup(self):
-    self.attn_norm = RMSNorm(self.cfg)
+    self.attn_norm = layers.RMSNorm(self.cfg)
     self.attn = Attention(self.cfg)
-    self.mlp_norm = RMSNorm(self.cfg)
+    self.mlp_norm = layers.RMSNorm(self.cfg)
     self.mlp = Mlp(self.cfg)
 
   def __call__(self, x_BTD, cache_kv, positions_BT, mask_BTT, cache_len_B):
@@ -376,7 +249,7 @@ class Llama(nn.Module):
 
   def setup(self):
     cfg = self.cfg
-    self.embedding = _param(
+    self.embedding = layers.param(
       self,
       "embedding",
       nn.initializers.normal(0.02),
@@ -385,7 +258,7 @@ class Llama(nn.Module):
       cfg.param_dtype,
     )
     if not cfg.tie_embeddings:
-      self.lm_head = dense_param(
+      self.lm_head = layers.dense_param(
         self, "lm_head", (cfg.hidden_size,), (cfg.vocab_size,), ("embed", "vocab"), cfg
       )
     if cfg.scan_layers:
@@ -399,7 +272,7 @@ class Llama(nn.Module):
       )(cfg)
     else:
       self.layers = [Block(cfg) for _ in range(cfg.num_layers)]  # params `layers_{i}`
-    self.norm = RMSNorm(cfg)
+    self.norm = layers.RMSNorm(cfg)
 
   def __call__(
     self,
@@ -448,24 +321,7 @@ class Llama(nn.Module):
     f32 = dict(preferred_element_type=jnp.float32)
     if self.cfg.tie_embeddings:
       return jnp.einsum("...D,VD->...V", f, self.embedding.astype(self.cfg.dtype), **f32)
-    return dense(self.cfg, f, self.lm_head, self.cfg.vocab_size, jnp.float32)
-
-
-def stack_layers(layers: list[dict]) -> jax.Array:
-  """Per-layer parameter trees -> one tree with a leading layers axis (the nn.scan layout)."""
-  return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
-
-
-def set_scan_layers(params: dict, num_layers: int, scan: bool) -> dict:
-  """Converts parameters between the scanned (`layers`) and looped (`layers_{i}`) layouts."""
-  params = dict(params)
-  if scan and "layers" not in params:
-    params["layers"] = stack_layers([params.pop(f"layers_{i}") for i in range(num_layers)])
-  elif not scan and "layers" in params:
-    stacked = params.pop("layers")
-    for i in range(num_layers):
-      params[f"layers_{i}"] = jax.tree.map(lambda a, i=i: a[i], stacked)
-  return params
+    return layers.dense(self.cfg, f, self.lm_head, self.cfg.vocab_size, jnp.float32)
 
 
 def init_boxed(cfg: LlamaConfig, key: jax.Array) -> dict:
@@ -494,7 +350,7 @@ class Target:
     """The same model with its layers scanned (stacked params) or looped (per-layer params)."""
     if scan == self.cfg.scan_layers:
       return self
-    params = set_scan_layers(self.params, self.cfg.num_layers, scan)
+    params = layers.set_scan_layers(self.params, self.cfg.num_layers, scan)
     return Target(cfg=self.cfg.replace(scan_layers=scan), params=params)
 
   def with_weight_layout(self, layout: str) -> "Target":
@@ -504,7 +360,7 @@ class Target:
     cfg = self.cfg.replace(weight_layout=layout)
     plain = self.cfg.replace(weight_layout="plain")
     shapes = nn.meta.unbox(jax.eval_shape(lambda: init_boxed(plain, jax.random.key(0))))
-    return Target(cfg=cfg, params=relayout(self.params, layout, shapes))
+    return Target(cfg=cfg, params=layers.relayout(self.params, layout, shapes))
 
   def logits(self, features_BTD: jax.Array) -> jax.Array:
     return Llama(self.cfg).apply({"params": self.params}, features_BTD, method=Llama.logits)

@@ -1,4 +1,4 @@
-"""Distillation layouts and losses for every drafter kind (DESIGN.md sections 2 and 4).
+"""Distillation layouts and losses for every drafter kind (docs/design.md sections 2 and 4).
 
 Tokens x[0..S-1] (0-based); the frozen target gives features f[t] and p_t = softmax(W f[t]/T),
 its distribution over x[t+1]. Each drafter kind turns a batch into *rows*: a draft feature,
@@ -23,6 +23,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+
+__all__ = [
+  "DIVERGENCES",
+  "LossConfig",
+  "Rows",
+  "SlotLayout",
+  "distill_rows",
+  "loss",
+  "segment_mask",
+  "segment_positions",
+  "slot_layout",
+  "shifted",
+]
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "tvd", "jsd")
 

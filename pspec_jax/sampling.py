@@ -9,6 +9,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+__all__ = ["SamplingConfig", "filtered_logits", "select"]
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingConfig:

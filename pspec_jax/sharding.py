@@ -15,6 +15,22 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+__all__ = [
+  "AXES",
+  "RULES",
+  "abstract",
+  "batch_sharding",
+  "bytes_per_device",
+  "constrain",
+  "make_mesh",
+  "mesh_shape",
+  "param_shardings",
+  "parse_mesh",
+  "replicated",
+  "shardings",
+  "spec_for",
+]
+
 AXES = ("data", "fsdp", "tensor")
 
 RULES = (
@@ -105,6 +121,14 @@ def shardings(logical_tree, shapes_tree, mesh: Mesh, rules=RULES):
     shapes_tree,
     is_leaf=lambda x: isinstance(x, PartitionSpec),
   )
+
+
+def constrain(x: jax.Array, logical: tuple, mesh: Mesh | None) -> jax.Array:
+  """x laid out on `mesh` by its logical axes (`RULES`); a no-op without a mesh."""
+  if mesh is None:
+    return x
+  spec = spec_for(PartitionSpec(*logical), x.shape, mesh)
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -15,6 +15,8 @@ example's index does.
 
 from collections.abc import Iterator
 
+__all__ = ["read"]
+
 SPLIT = "train"
 
 

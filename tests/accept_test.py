@@ -9,6 +9,7 @@ import pytest
 import scipy.stats
 
 from pspec_jax import tree as tree_lib
+from pspec_jax import tree_specs
 from pspec_jax.accept import accept
 from pspec_jax.sampling import SamplingConfig, filtered_logits
 from pspec_jax.tree import Tree
@@ -52,7 +53,7 @@ def greedy_case(rng, batch, num_nodes, parent_BM, vocab=16):
   "tree",
   [
     tree_lib.chain(4),
-    tree_lib.parse("sparse16", 4),
+    tree_specs.parse("sparse16", 4),
     Tree(paths=((0,), (2,), (3,), (0, 0), (0, 3), (0, 3, 1), (0, 3, 0), (3, 0), (3, 0, 0))),
   ],
 )
@@ -72,7 +73,7 @@ def test_greedy_matches_reference_walk(tree):
 
 
 def test_greedy_on_dynamic_trees_that_differ_per_row():
-  pool = tree_lib.parse("dynamic:8", 3)
+  pool = tree_specs.parse("dynamic:8", 3)
   batch = 16
   rng = np.random.default_rng(7)
   logp = -rng.exponential(1.0, (batch, pool.num_nodes)).astype(np.float32)

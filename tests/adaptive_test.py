@@ -4,9 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_models import PROMPTS, drafter_for, make_target, padded
 
-from pspec_jax import adaptive, decode
+from pspec_jax import adaptive, decode, testing, tree_specs
 from pspec_jax import tree as tree_lib
 
 KINDS = ("pspec", "eagle", "medusa", "pld")
@@ -15,12 +14,12 @@ TREES = ("adaptive", "adaptive:paths:0/1|chain+lookup:3|lookup:2")
 
 @pytest.fixture(scope="module")
 def target():
-  return make_target(5.0)
+  return testing.make_target(5.0)
 
 
 def eos_mid_round(target):
-  """An EOS id that a plain decode of PROMPTS emits mid-answer (rounds accept past it)."""
-  tokens, lengths = padded(PROMPTS)
+  """An EOS id that a plain decode of testing.PROMPTS emits mid-answer (rounds accept past it)."""
+  tokens, lengths = testing.padded(testing.PROMPTS)
   plain = decode.generate(
     target, tokens, lengths, jax.random.key(0), decode.DecodeConfig(max_new_tokens=30)
   )
@@ -32,10 +31,12 @@ def eos_mid_round(target):
   "tree,rows", [(TREES[0], slice(0, 4)), (TREES[1], slice(0, 4)), (TREES[1], slice(2, 3))]
 )
 def test_adaptive_greedy_equals_plain_greedy(target, kind, tree, rows):
-  tokens, lengths = padded(PROMPTS[rows])
+  tokens, lengths = testing.padded(testing.PROMPTS[rows])
   cfg = decode.DecodeConfig(max_new_tokens=30, eos_ids=(eos_mid_round(target),), tree=tree)
   plain = decode.generate(target, tokens, lengths, jax.random.key(0), cfg)
-  spec = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter_for(kind, target))
+  spec = decode.generate(
+    target, tokens, lengths, jax.random.key(0), cfg, testing.drafter_for(kind, target)
+  )
   assert spec.tokens.tolist() == plain.tokens.tolist()
   assert spec.lengths.tolist() == plain.lengths.tolist()
   np.testing.assert_allclose(spec.tau * spec.rounds, spec.lengths - 1, rtol=1e-6)
@@ -45,9 +46,9 @@ def test_adaptive_greedy_equals_plain_greedy(target, kind, tree, rows):
 
 
 def test_a_candidate_that_costs_too_much_is_never_chosen(target):
-  tokens, lengths = padded(PROMPTS)
+  tokens, lengths = testing.padded(testing.PROMPTS)
   tree = "adaptive:chain|lookup:3"
-  drafter = drafter_for("pspec", target)
+  drafter = testing.drafter_for("pspec", target)
   # Candidates: the root alone, chain, lookup:3; the chain costs as much as 6 plain rounds,
   # more than its 5 tokens at best.
   cfg = decode.DecodeConfig(max_new_tokens=30, tree=tree, costs=((1, 1), (6, 6), (1.2, 1.3)))
@@ -59,17 +60,19 @@ def test_a_candidate_that_costs_too_much_is_never_chosen(target):
 
 
 def test_bad_costs_are_one_clear_error(target):
-  tokens, lengths = padded(PROMPTS)
+  tokens, lengths = testing.padded(testing.PROMPTS)
   cfg = decode.DecodeConfig(tree="adaptive:chain", costs=((1, 1),))
   with pytest.raises(ValueError, match="costs must give 2"):
-    decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter_for("pld", target))
+    decode.generate(
+      target, tokens, lengths, jax.random.key(0), cfg, testing.drafter_for("pld", target)
+    )
   with pytest.raises(ValueError, match="costs must be"):
     decode.DecodeConfig(costs=(1.0,))
 
 
 # --- the choice on fake costs and acceptance histories ----------------------------------------
 
-POOL = tree_lib.parse("adaptive:paths:0|chain", 4)  # the root alone, (0,), the chain of 4
+POOL = tree_specs.parse("adaptive:paths:0|chain", 4)  # the root alone, (0,), the chain of 4
 COSTS = ((1.0, 1.0), (1.4, 1.4), (1.9, 1.9))
 
 
@@ -138,7 +141,7 @@ def test_the_choice_weighs_tokens_against_costs():
 
 
 def test_a_lookup_match_makes_the_lookup_candidates_pay():
-  pool = tree_lib.parse("adaptive:paths:0|lookup:3", 4)
+  pool = tree_specs.parse("adaptive:paths:0|lookup:3", 4)
   costs = ((1.0, 1.0), (1.4, 1.4), (1.0, 1.3))
   stats = adaptive.init_stats(pool, 1)
   stats = stats.replace(drafted=jnp.full_like(stats.drafted, 0.3))
@@ -151,7 +154,7 @@ def test_a_lookup_match_makes_the_lookup_candidates_pay():
 
 
 def test_an_adaptive_tree_is_the_union_of_its_candidates_and_the_root_alone():
-  pool = tree_lib.parse("adaptive:paths:0/1|chain+lookup:3|lookup:2", 4)
+  pool = tree_specs.parse("adaptive:paths:0/1|chain+lookup:3|lookup:2", 4)
   assert [c.spec for c in pool.candidates] == [
     "paths:",
     "paths:0/1",
@@ -159,11 +162,11 @@ def test_an_adaptive_tree_is_the_union_of_its_candidates_and_the_root_alone():
     "lookup:2",
   ]
   assert pool.paths == ((0,), (1,), (0, 0), (0, 0, 0), (0, 0, 0, 0)) and pool.lookup == 3
-  assert tree_lib.parse(pool.spec, 4) == pool
+  assert tree_specs.parse(pool.spec, 4) == pool
   assert adaptive.branch_nodes(pool)[2:4] == [(0, 1, 2), (0, 1, 2)]  # paths:0/1, no lookup
   assert adaptive.branch_nodes(pool)[2 * 3 + 1] == (0, 6, 7)  # lookup:2 found: the root, 2 more
   # The default set, less what K allows.
-  assert tree_lib.parse("adaptive", 1).spec == "adaptive:lookup:1|paths:0+lookup:1"
+  assert tree_specs.parse("adaptive", 1).spec == "adaptive:lookup:1|paths:0+lookup:1"
   for bad, message in [
     ("adaptive:dynamic:4", "static tree without a gate"),
     ("adaptive:paths:0+min:0.2", "static tree without a gate"),
@@ -171,31 +174,31 @@ def test_an_adaptive_tree_is_the_union_of_its_candidates_and_the_root_alone():
     ("adaptive:paths:0/0.0/0.0.0", "deeper than K=2"),
   ]:
     with pytest.raises(ValueError, match=message):
-      tree_lib.parse(bad, 2)
+      tree_specs.parse(bad, 2)
 
 
 def test_a_drafter_file_keeps_its_adaptive_candidates(target, tmp_path):
   from pspec_jax import drafter_files
 
-  drafter = drafter_for("medusa", target)
+  drafter = testing.drafter_for("medusa", target)
   drafter = drafter.replace(cfg=drafter.cfg.replace(tree="adaptive", adaptive="paths:0|lookup:3"))
   drafter_files.save_drafter(str(tmp_path), drafter)
   loaded = drafter_files.load_drafter(str(tmp_path), target)
   assert loaded.cfg.adaptive == "paths:0|lookup:3"
-  pool = decode.pool_tree(decode.DecodeConfig(), loaded)
+  pool = decode.resolve_tree(decode.DecodeConfig(), loaded)
   assert [c.spec for c in pool.candidates] == ["paths:", "paths:0", "lookup:3"]
   with pytest.raises(ValueError, match="unknown tree 'bushy'"):
     drafter.cfg.replace(adaptive="bushy")
 
 
 def test_stream_equals_generate_with_an_adaptive_tree(target):
-  tokens, lengths = padded(PROMPTS)
+  tokens, lengths = testing.padded(testing.PROMPTS)
   cfg = decode.DecodeConfig(max_new_tokens=20, eos_ids=(3,), tree=TREES[1])
-  drafter = drafter_for("eagle", target)
+  drafter = testing.drafter_for("eagle", target)
   out = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter)
-  pieces = [[] for _ in PROMPTS]
+  pieces = [[] for _ in testing.PROMPTS]
   for new in decode.stream(target, tokens, lengths, jax.random.key(0), cfg, drafter):
     for row, ids in enumerate(new):
       pieces[row].extend(ids.tolist())
-  for row in range(len(PROMPTS)):
+  for row in range(len(testing.PROMPTS)):
     assert pieces[row] == out.tokens[row, : out.lengths[row]].tolist()

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from infer import agreement
-from pspec_jax import checkpoints, data, decode, drafter_files
+from pspec_jax import checkpoints, decode, drafter_files
+from pspec_jax import prompts as prompts_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,8 +39,8 @@ def test_replayed_rounds_are_the_decoders(smollm2, kind):
   lengths_seen = []
   hits = []
   for text in prompts:
-    prompt = data.encode_prompt(tokenizer, text, chat=True)
-    tokens, lengths = data.pad_batch([prompt])
+    prompt = prompts_lib.encode_prompt(tokenizer, text, chat=True)
+    tokens, lengths = prompts_lib.pad_batch([prompt])
     out = jax.device_get(decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter))
     answer = np.asarray(out.tokens[0, : out.lengths[0]]).tolist()
     lengths_seen.append((len(answer), answer[-1] in eos))
@@ -96,19 +97,21 @@ def test_depth1_overlap_is_the_decoders_acceptance_probability(kind):
   """1 - TV(p, q) of the first drafted token, teacher-forced, from the distributions the decoder
   draws and verifies the first round's draft with (a restricted draft vocabulary included)."""
   import jax.numpy as jnp
-  from tiny_models import drafter_for, make_target, padded
 
   from pspec_jax import drafter as drafter_lib
+  from pspec_jax import testing
   from pspec_jax.sampling import SamplingConfig, filtered_logits
 
-  target = make_target(5.0)
-  drafter = drafter_for(kind, target).with_head(target)
+  target = testing.make_target(5.0)
+  drafter = testing.drafter_for(kind, target).with_head(target)
   if kind == "medusa":  # the draft vocabulary: the first 12 of 16 tokens
     drafter = drafter_lib.random_drafter(kind, target, jax.random.key(1), draft_vocab_size=12)
   sampling = SamplingConfig(temperature=0.8, top_k=9)
   prompt = [5, 9, 2, 13, 7]
   cfg = decode.DecodeConfig(max_new_tokens=2, sampling=sampling, tree="chain")
-  state = decode.init(target, *padded([prompt]), jax.random.key(0), cfg, drafter)
+  tokens, lengths = testing.padded([prompt])
+  plan = decode.make_plan(cfg, drafter, tokens.shape[1])
+  state = decode.init(plan, target, drafter, tokens, lengths, jax.random.key(0))
   bonus = int(state.tokens[0, len(prompt)])
   q = np.exp(np.asarray(state.draft_logq[0, 0]))  # depth 1: what x_{n+2} is drawn from
   features, _ = target(jnp.asarray([prompt + [bonus]]), jnp.arange(len(prompt) + 1)[None])

@@ -10,11 +10,10 @@ import sys
 import jax
 import pytest
 
-from infer import bench
-from pspec_jax import data, decode, drafter_files
-from pspec_jax import tree as tree_lib
+from infer import bench, measure, report
+from pspec_jax import decode, drafter_files, testing, tree_specs
+from pspec_jax import prompts as prompts_lib
 from pspec_jax.sampling import SamplingConfig
-from tests.tiny_models import drafter_for, make_target
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROW_KEYS = {
@@ -45,8 +44,8 @@ def config(**overrides):
 
 
 def test_settings_cover_every_combination_and_say_what_was_left_out():
-  target = make_target(1.0)
-  drafters = {k: drafter_for(k, target, num_draft=3) for k in ("pld", "pspec")}
+  target = testing.make_target(1.0)
+  drafters = {k: testing.drafter_for(k, target, num_draft=3) for k in ("pld", "pspec")}
   c = config(
     methods="pspec,hf,pld",
     datasets="mt_bench,humaneval",
@@ -57,7 +56,7 @@ def test_settings_cover_every_combination_and_say_what_was_left_out():
   )
   settings, skipped = bench.settings_of(c, target, drafters)
   # none always runs first (it is every row's baseline); hf only at batch size 1.
-  assert settings[0] == bench.Setting("none", "mt_bench", 0.0, 1, 0, "")
+  assert settings[0] == measure.Setting("none", "mt_bench", 0.0, 1, 0, "")
   by_method = {m: [s for s in settings if s.method == m] for m in ("none", "hf", "pld", "pspec")}
   assert len(by_method["none"]) == 2 * 2 * 2
   assert {s.batch_size for s in by_method["hf"]} == {1} and len(by_method["hf"]) == 4
@@ -72,8 +71,8 @@ def test_settings_cover_every_combination_and_say_what_was_left_out():
 
 def test_a_k_that_a_tree_of_fixed_depth_ignores_is_left_out_with_the_reason():
   """Before, the row said K=2 while the rank paths decoded exactly as with the drafter's K."""
-  target = make_target(1.0)
-  drafters = {"pspec": drafter_for("pspec", target, num_draft=3)}
+  target = testing.make_target(1.0)
+  drafters = {"pspec": testing.drafter_for("pspec", target, num_draft=3)}
   c = config(methods="pspec", num_draft="2,3", tree="paths:0/1,chain")
   settings, skipped = bench.settings_of(c, target, drafters)
   pspec = {(s.num_draft, s.tree) for s in settings if s.method == "pspec"}
@@ -82,8 +81,8 @@ def test_a_k_that_a_tree_of_fixed_depth_ignores_is_left_out_with_the_reason():
 
 
 def test_each_drafter_decodes_with_its_own_tree_per_temperature():
-  target = make_target(1.0)
-  pspec = drafter_for("pspec", target, num_draft=3)
+  target = testing.make_target(1.0)
+  pspec = testing.drafter_for("pspec", target, num_draft=3)
   pspec = pspec.replace(cfg=pspec.cfg.replace(tree="paths:0", sampling_tree="chain"))
   settings, _ = bench.settings_of(
     config(methods="pspec", temperature="0,1"), target, {"pspec": pspec}
@@ -101,8 +100,8 @@ def test_each_drafter_decodes_with_its_own_tree_per_temperature():
 
 
 def test_both_acceptance_rules_in_one_run_where_the_rule_matters():
-  target = make_target(1.0)
-  drafters = {k: drafter_for(k, target, num_draft=3) for k in ("pld", "pspec")}
+  target = testing.make_target(1.0)
+  drafters = {k: testing.drafter_for(k, target, num_draft=3) for k in ("pld", "pspec")}
   c = config(methods="pld,pspec", temperature="0,1", tree="chain", drafts="sampled,top_k")
   settings, _ = bench.settings_of(c, target, drafters)
   rules = {(s.method, s.temperature): set() for s in settings}
@@ -138,7 +137,7 @@ BAD_SETTINGS = [
 
 @pytest.mark.parametrize("overrides,message", BAD_SETTINGS)
 def test_bad_settings_are_one_clear_error(overrides, message):
-  target = make_target(1.0)
+  target = testing.make_target(1.0)
   with pytest.raises(ValueError, match=re.escape(message)):
     bench.settings_of(config(**overrides), target, {})
 
@@ -151,45 +150,45 @@ def test_the_dry_run_rejects_what_the_run_rejects(overrides, message):
 
 
 def test_rows_pool_tau_and_check_losslessness_only_when_greedy():
-  base = bench.Setting("none", "mt_bench", 0.0, 2, 0, "")
-  spec = bench.Setting("pspec", "mt_bench", 0.0, 2, 3, "chain")
-  hot = bench.Setting("pspec", "mt_bench", 1.0, 2, 3, "chain")
+  base = measure.Setting("none", "mt_bench", 0.0, 2, 0, "")
+  spec = measure.Setting("pspec", "mt_bench", 0.0, 2, 3, "chain")
+  hot = measure.Setting("pspec", "mt_bench", 1.0, 2, 3, "chain")
   hot_base = hot.baseline
-  plain = bench.Outcome(tokens=[[1, 2, 3, 4], [5, 6]], rounds=[3, 1], accepted=[[0] * 3] * 2)
-  drafted = bench.Outcome(tokens=[[1, 2, 3, 4], [5, 6]], rounds=[1, 1], accepted=[[1, 1, 0]] * 2)
-  wrong = bench.Outcome(tokens=[[1, 2, 3, 9], [5, 6]], rounds=[1, 1], accepted=[[1, 1, 0]] * 2)
+  plain = measure.Outcome(tokens=[[1, 2, 3, 4], [5, 6]], rounds=[3, 1], accepted=[[0] * 3] * 2)
+  drafted = measure.Outcome(tokens=[[1, 2, 3, 4], [5, 6]], rounds=[1, 1], accepted=[[1, 1, 0]] * 2)
+  wrong = measure.Outcome(tokens=[[1, 2, 3, 9], [5, 6]], rounds=[1, 1], accepted=[[1, 1, 0]] * 2)
   records = {base: [(2.0, plain)], spec: [(1.0, drafted)], hot_base: [(2.0, plain)]}
   records[hot] = [(1.0, wrong)]
-  row = bench._row(spec, records, dict(draft=0.2, verify=0.7, **{"accept+commit": 0.1}))
+  row = measure._row(spec, records, dict(draft=0.2, verify=0.7, **{"accept+commit": 0.1}))
   assert set(row) >= ROW_KEYS
   assert row["speedup"] == pytest.approx(2.0) and row["tokens"] == 6
   assert row["tau"] == pytest.approx((3 + 1) / 2) and row["tau_per_prompt"] == [3.0, 1.0]
   assert row["accept_per_depth"] == [1.0, 1.0, 0.0]
   assert row["lossless"] is True and row["draft_share"] == 0.2
-  assert bench._row(base, records, None)["tau"] == 1.0
-  sampled = bench._row(hot, records, None)
+  assert measure._row(base, records, None)["tau"] == 1.0
+  sampled = measure._row(hot, records, None)
   assert sampled["lossless"] is None and sampled["speedup"] == pytest.approx(2.0)
   records[spec] = [(1.0, wrong)]
-  assert bench._row(spec, records, None)["lossless"] is False
+  assert measure._row(spec, records, None)["lossless"] is False
 
 
 def test_rows_and_report_count_how_often_each_adaptive_candidate_was_chosen():
-  target = make_target(5.0)
+  target = testing.make_target(5.0)
   cfg = decode.DecodeConfig(max_new_tokens=12, tree="adaptive:paths:0|lookup:3")
-  run = bench.OurMethod(target, drafter_for("pspec", target), cfg, pad_id=0)
+  run = measure.OurMethod(target, testing.drafter_for("pspec", target), cfg, pad_id=0)
   outcomes = [run([[5, 9, 2, 13, 7], [1, 2]], jax.random.key(0)), run([[6]], jax.random.key(1))]
   assert list(outcomes[0].chosen) == ["paths:", "paths:0", "lookup:3"]
-  spec = bench.Setting("pspec", "mt_bench", 0.0, 2, 4, cfg.tree)
-  row = bench._row(spec, {spec: [(1.0, o) for o in outcomes]}, None)
+  spec = measure.Setting("pspec", "mt_bench", 0.0, 2, 4, cfg.tree)
+  row = measure._row(spec, {spec: [(1.0, o) for o in outcomes]}, None)
   total = {k: outcomes[0].chosen[k] + outcomes[1].chosen[k] for k in outcomes[0].chosen}
   assert row["chosen"] == total
   assert sum(total.values()) == sum(max(o.rounds) for o in outcomes)
   assert (
-    bench._row(spec.baseline, {spec.baseline: [(1.0, bench.Outcome([[1]]))]}, None)["chosen"]
+    measure._row(spec.baseline, {spec.baseline: [(1.0, measure.Outcome([[1]]))]}, None)["chosen"]
     is None
   )
   row["chosen"] = {"paths:": 3, "paths:0": 1, "lookup:3": 0}
-  lines = bench._chosen_table([row])
+  lines = report._chosen_table([row])
   assert lines[-1] == "| pspec | mt_bench | 0.0 | 2 | root alone: 75%, paths:0: 25%, lookup:3: 0% |"
 
 
@@ -229,24 +228,24 @@ def test_report_and_plots_show_the_main_table_and_the_k_ablation(tmp_path):
     skipped=["pspec K=5 tree chain: too deep"],
   )
   results = dict(meta=meta, rows=rows)
-  text = bench.report(results)
+  text = report.report(results)
   assert "| pspec (K=3) | 1.30x / 2.00 |" in text
   assert "## K ablation" in text and "| pspec | 2 | chain | mt_bench |" in text
   assert "test machine" in text and "Left out: pspec K=5" in text
-  written = bench.plots(results, str(tmp_path))
+  written = report.plots(results, str(tmp_path))
   assert written == ["speedup.png", "tau.png", "k_ablation.png"]
   for name in written:
     assert (tmp_path / name).stat().st_size > 1000
 
 
 def test_prompt_sets_ship_offline():
-  assert len(data.prompt_set("mt_bench")) == 80
-  humaneval = data.prompt_set("humaneval", 3)
+  assert len(prompts_lib.prompt_set("mt_bench")) == 80
+  humaneval = prompts_lib.prompt_set("humaneval", 3)
   assert len(humaneval) == 3 and humaneval[0].startswith("from typing import List")
-  sharegpt = data.prompt_set("sharegpt", 5)
+  sharegpt = prompts_lib.prompt_set("sharegpt", 5)
   assert len(sharegpt) == 5 and all(p.strip() for p in sharegpt)
   with pytest.raises(ValueError, match="unknown prompt set 'nope'"):
-    data.prompt_set("nope")
+    prompts_lib.prompt_set("nope")
 
 
 def test_a_real_run_writes_results_report_and_plots(tmp_path):
@@ -286,7 +285,7 @@ def test_a_real_run_writes_results_report_and_plots(tmp_path):
   assert rows["pspec"]["tree"] == shipped.get("device_trees", {}).get("cpu", shipped)["tree"]
   assert rows["none"]["lossless"] is True and rows["pspec"]["lossless"] is True
   assert isinstance(rows["hf"]["lossless"], bool)
-  depth = tree_lib.parse(rows["pspec"]["tree"], rows["pspec"]["num_draft"]).max_depth
+  depth = tree_specs.parse(rows["pspec"]["tree"], rows["pspec"]["num_draft"]).max_depth
   assert rows["pspec"]["tau"] >= 1 and len(rows["pspec"]["accept_per_depth"]) == depth
   shares = [rows["pspec"][k] for k in ("draft_share", "verify_share", "commit_share")]
   assert sum(shares) == pytest.approx(1.0) and min(shares) > 0
@@ -296,13 +295,11 @@ def test_a_real_run_writes_results_report_and_plots(tmp_path):
 
 @pytest.mark.parametrize("prompt_lookup", [False, True])
 def test_hf_generate_samples_reproducibly_from_the_key(tmp_path, prompt_lookup):
-  from llama_test import HF_CONFIGS, save_hf_llama
-
-  save_hf_llama(tmp_path, **HF_CONFIGS["gqa_untied"])
+  testing.save_hf_llama(tmp_path, **testing.HF_CONFIGS["gqa_untied"])
   cfg = decode.DecodeConfig(
     max_new_tokens=12, sampling=SamplingConfig(temperature=1.0), eos_ids=(95,)
   )
-  hf = bench.HFMethod(str(tmp_path), cfg, threads=1, prompt_lookup=prompt_lookup)
+  hf = measure.HFMethod(str(tmp_path), cfg, threads=1, prompt_lookup=prompt_lookup)
   prompt = [[3, 1, 4, 1, 5, 9, 2, 6]]
   draws = [hf(prompt, jax.random.key(seed)).tokens[0] for seed in (0, 0, 1, 2)]
   assert draws[0] == draws[1] and 1 <= len(draws[0]) <= 12
@@ -370,9 +367,8 @@ def test_dry_run_on_its_hardware_compiles_sharded_decoding(tmp_path, monkeypatch
   from infer import plan
   from pspec_jax import drafter as drafter_lib
   from pspec_jax import llama, sharding
-  from tests.tiny_models import TINY
 
-  target = TINY.replace(scan_layers=False)
+  target = testing.TINY.replace(scan_layers=False)
   pspec = drafter_lib.DrafterConfig.for_target("pspec", target, num_draft=4)
   mesh = sharding.make_mesh(data=2, tensor=4)
 

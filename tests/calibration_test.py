@@ -7,8 +7,7 @@ import jax
 import pytest
 
 from infer import calibration
-from pspec_jax import decode, llama
-from tests.tiny_models import TINY, drafter_for, make_target
+from pspec_jax import decode, llama, testing
 
 TREE = "adaptive:paths:0|lookup:3"
 PROMPT = [5, 9, 2, 13, 7]
@@ -16,7 +15,7 @@ PROMPT = [5, 9, 2, 13, 7]
 
 @pytest.fixture(scope="module")
 def target():
-  return make_target(5.0)
+  return testing.make_target(5.0)
 
 
 @pytest.fixture
@@ -46,7 +45,7 @@ def fake_measure(monkeypatch):
 def costs(target, tmp_path, batch=1, logs=None, tree=TREE, kind="pspec"):
   log = (logs if logs is not None else []).append
   cfg = decode.DecodeConfig(tree=tree)
-  drafter = drafter_for(kind, target)
+  drafter = testing.drafter_for(kind, target)
   path = str(tmp_path / "costs.json")
   return calibration.costs_for(target, drafter, cfg, batch, PROMPT, path=path, log=log)
 
@@ -71,7 +70,7 @@ def test_costs_are_measured_again_when_the_machine_key_changes(
 ):
   costs(target, tmp_path)
   costs(target, tmp_path, batch=4)  # batch
-  other = make_target(5.0, cfg=TINY.replace(name="tiny-2"))
+  other = testing.make_target(5.0, cfg=testing.TINY.replace(name="tiny-2"))
   costs(other, tmp_path)  # target
   bf16 = llama.Target(cfg=target.cfg.replace(dtype=jax.numpy.bfloat16), params=target.params)
   costs(bf16, tmp_path)  # dtype
@@ -102,8 +101,10 @@ def test_a_fixed_tree_needs_no_calibration(target, tmp_path, fake_measure):
 
 
 def test_measured_costs_are_relative_to_a_plain_round(target):
-  pool = decode.pool_tree(decode.DecodeConfig(tree=TREE), drafter_for("pspec", target))
-  measured = calibration.measure(target, drafter_for("pspec", target), pool, 2, PROMPT, repeats=3)
+  pool = decode.resolve_tree(decode.DecodeConfig(tree=TREE), testing.drafter_for("pspec", target))
+  measured = calibration.measure(
+    target, testing.drafter_for("pspec", target), pool, 2, PROMPT, repeats=3
+  )
   assert list(measured) == [c.spec for c in pool.candidates]
   assert measured["paths:"]["costs"] == [1.0, 1.0]
   for entry in measured.values():

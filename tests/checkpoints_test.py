@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from llama_test import HF_CONFIGS, save_hf_llama
 
-from pspec_jax import checkpoints, data, decode
+from pspec_jax import checkpoints, decode, testing, weights
+from pspec_jax import prompts as prompts_lib
 
 PROMPTS = [
   "What is the capital of France?",
@@ -40,7 +40,7 @@ def test_gguf_logits_match_transformers_gguf_loading(smollm2, hf_smollm2):
   assert target.cfg.num_layers == 30 and target.cfg.hidden_size == 576
   assert target.cfg.num_kv_heads == 3 and target.cfg.tie_embeddings
   for prompt in PROMPTS[:3]:
-    ids = data.encode_prompt(tokenizer, prompt, chat=True)
+    ids = prompts_lib.encode_prompt(tokenizer, prompt, chat=True)
     with torch.no_grad():
       ref = hf_smollm2(torch.tensor([ids])).logits.numpy()[0]
     features, _ = target(jnp.asarray([ids]), jnp.arange(len(ids))[None])
@@ -53,8 +53,8 @@ def test_gguf_logits_match_transformers_gguf_loading(smollm2, hf_smollm2):
 
 def test_gguf_greedy_generations_match_transformers(smollm2, hf_smollm2):
   target, tokenizer = smollm2
-  encoded = [data.encode_prompt(tokenizer, p, chat=True) for p in PROMPTS]
-  tokens, lengths = data.pad_batch(encoded)
+  encoded = [prompts_lib.encode_prompt(tokenizer, p, chat=True) for p in PROMPTS]
+  tokens, lengths = prompts_lib.pad_batch(encoded)
   cfg = decode.DecodeConfig(max_new_tokens=24, eos_ids=(tokenizer.eos_token_id,))
   out = decode.generate(target, tokens, lengths, jax.random.key(0), cfg)
   for row, ids in enumerate(encoded):
@@ -78,7 +78,7 @@ def test_qk_unpermute_inverts_llama_cpp_permute():
 
   w = np.arange(24 * 5, dtype=np.float32).reshape(24, 5)
   for heads in (1, 2, 3):
-    np.testing.assert_array_equal(checkpoints._unpermute_qk(llama_cpp_permute(w, heads), heads), w)
+    np.testing.assert_array_equal(weights._unpermute_qk(llama_cpp_permute(w, heads), heads), w)
 
 
 def test_embedded_default_resolves_without_importing_its_package():
@@ -88,7 +88,7 @@ def test_embedded_default_resolves_without_importing_its_package():
 
 @pytest.fixture
 def hf_dir(tmp_path):
-  save_hf_llama(tmp_path, **HF_CONFIGS["gqa_untied"])
+  testing.save_hf_llama(tmp_path, **testing.HF_CONFIGS["gqa_untied"])
   return tmp_path
 
 
@@ -215,10 +215,10 @@ def test_a_gguf_tokenizer_is_built_once_then_read_back(tmp_path, monkeypatch, sm
 def test_one_gguf_file_is_parsed_once_until_it_changes(tmp_path):
   copy = tmp_path / "model.gguf"
   shutil.copyfile(checkpoints.resolve_target("smollm2-135m-instruct").path, copy)
-  first = checkpoints._gguf_reader(str(copy))
-  assert checkpoints._gguf_reader(str(copy)) is first  # config, weights and EOS ids share it
+  first = weights.gguf_reader(str(copy))
+  assert weights.gguf_reader(str(copy)) is first  # config, weights and EOS ids share it
   os.utime(copy, ns=(0, 0))
-  assert checkpoints._gguf_reader(str(copy)) is not first
+  assert weights.gguf_reader(str(copy)) is not first
 
 
 def test_gguf_header_reads_as_the_gguf_packages_reader(tmp_path):

@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from configs import common
 from pspec_jax import drafter as drafter_lib
-from pspec_jax import llama, sharding
+from pspec_jax import llama, presets, sharding
 from train import distill, plan
 from train import step as step_lib
 
@@ -84,7 +83,7 @@ def test_dry_run_prints_the_memory_plan_without_allocating(variant):
   assert result.returncode == 0, result.stderr[-2000:]
   out = result.stdout
   assert "13.016B parameters" in out
-  devices, memory = common.HARDWARE[variant]
+  devices, memory = presets.HARDWARE[variant]
   assert f"{devices} devices, {memory:g} GiB each" in out
   for row in ("target params", "drafter params", "optimizer state", "total"):
     assert row in out

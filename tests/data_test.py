@@ -5,28 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from pspec_jax import data
-
-
-class CharTokenizer:
-  """One token per character and a ChatML-like template: enough to check rendering."""
-
-  name_or_path = "chars"
-  pad_token_id = 0
-
-  def __len__(self):
-    return 256
-
-  def __call__(self, text, add_special_tokens=False):
-    class Out:
-      input_ids = [ord(c) % 256 for c in text]
-
-    return Out()
-
-  def apply_chat_template(self, turns, add_generation_prompt=False, tokenize=False):
-    text = "".join(f"<{t['role'][0]}>{t['content']}|" for t in turns)
-    return text + ("<a>" if add_generation_prompt else "")
-
+from pspec_jax import data, testing
+from pspec_jax import prompts as prompts_lib
 
 TURNS = [
   {"role": "user", "content": "hi"},
@@ -37,7 +17,7 @@ TURNS = [
 
 
 def test_render_masks_exactly_the_assistant_turns():
-  ids, mask = data.render(CharTokenizer(), TURNS, seq_len=64)
+  ids, mask = data.render(testing.CharTokenizer(), TURNS, seq_len=64)
   text = "".join(chr(i) for i in ids)
   assert text == "<u>hi|<a>yo|<u>q?|<a>ok|"
   trained = "".join(c for c, m in zip(text, mask, strict=True) if m)
@@ -45,9 +25,9 @@ def test_render_masks_exactly_the_assistant_turns():
 
 
 def test_render_truncates_and_drops_untrainable():
-  ids, mask = data.render(CharTokenizer(), TURNS, seq_len=11)
+  ids, mask = data.render(testing.CharTokenizer(), TURNS, seq_len=11)
   assert len(ids) == len(mask) == 11 and sum(mask) == 2  # "<u>hi|<a>yo" -> "yo"
-  assert data.render(CharTokenizer(), TURNS, seq_len=6) is None  # no answer token fits
+  assert data.render(testing.CharTokenizer(), TURNS, seq_len=6) is None  # no answer token fits
 
 
 def test_normalise_roles_and_leading_answers():
@@ -153,7 +133,7 @@ def test_a_json_array_of_strings_is_one_error(tmp_path):
 
 def test_prompts_naming_a_directory_say_so(tmp_path):
   with pytest.raises(ValueError, match=rf"prompts: {tmp_path} is a directory"):
-    data.prompts_from(str(tmp_path))
+    prompts_lib.prompts_from(str(tmp_path))
 
 
 def test_unknown_source_is_one_clear_error():
@@ -211,8 +191,8 @@ def test_packed_rows_keep_each_conversation_whole():
   conversations = [
     {"id": str(i), "turns": [dict(TURNS[0], content="x" * i), TURNS[1]]} for i in range(1, 9)
   ]
-  packed = data.tokenise(conversations, CharTokenizer(), seq_len=40)
-  alone = data.tokenise(conversations, CharTokenizer(), seq_len=40, packed=False)
+  packed = data.tokenise(conversations, testing.CharTokenizer(), seq_len=40)
+  alone = data.tokenise(conversations, testing.CharTokenizer(), seq_len=40, packed=False)
   assert len(packed) < len(alone) == 8
   pieces = []
   for tokens, mask, segments in zip(packed.tokens, packed.loss_mask, packed.segments, strict=True):

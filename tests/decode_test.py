@@ -8,19 +8,13 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from pspec_jax import decode, llama, sampling
+from pspec_jax import decode, llama, sampling, testing
 from pspec_jax.sampling import SamplingConfig, filtered_logits, select
 
-TINY = llama.LlamaConfig(
-  vocab_size=64,
-  hidden_size=32,
-  intermediate_size=48,
-  num_layers=2,
-  num_heads=4,
-  num_kv_heads=2,
-  max_position_embeddings=128,
-)
-PROMPTS = [[5, 9, 2, 33, 7], [1, 2], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
+# The shared tiny target with a wider vocabulary (sampled sequences differ from seed to seed)
+# and a context that 9 + 120 tokens exceed.
+TINY = testing.TINY.replace(vocab_size=64, max_position_embeddings=128)
+PROMPTS = testing.PROMPTS[:3]
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +22,6 @@ def target():
   params = llama.init_params(TINY, jax.random.key(0))
   params = jax.tree.map(lambda x: x * 5 if x.ndim > 2 else x, params)
   return llama.Target(cfg=TINY, params=params)
-
-
-def padded(prompts, width=16):
-  tokens = np.zeros((len(prompts), width), np.int32)
-  for row, p in enumerate(prompts):
-    tokens[row, : len(p)] = p
-  return jnp.asarray(tokens), jnp.asarray([len(p) for p in prompts], jnp.int32)
 
 
 @jax.jit
@@ -57,7 +44,7 @@ def reference_greedy(target, prompt, num_new):
 
 
 def test_greedy_matches_cache_free_reference_on_a_ragged_batch(target):
-  tokens, lengths = padded(PROMPTS)
+  tokens, lengths = testing.padded(PROMPTS)
   out = decode.generate(
     target, tokens, lengths, jax.random.key(0), decode.DecodeConfig(max_new_tokens=12)
   )
@@ -70,14 +57,14 @@ def test_greedy_matches_cache_free_reference_on_a_ragged_batch(target):
 
 def test_ragged_batch_equals_each_sequence_alone(target):
   cfg = decode.DecodeConfig(max_new_tokens=10)
-  batch = decode.generate(target, *padded(PROMPTS), jax.random.key(0), cfg)
+  batch = decode.generate(target, *testing.padded(PROMPTS), jax.random.key(0), cfg)
   for row, prompt in enumerate(PROMPTS):
-    alone = decode.generate(target, *padded([prompt], width=9), jax.random.key(0), cfg)
+    alone = decode.generate(target, *testing.padded([prompt], width=9), jax.random.key(0), cfg)
     assert batch.tokens[row].tolist() == alone.tokens[0].tolist()
 
 
 def test_eos_stops_one_sequence_and_pads_it(target):
-  tokens, lengths = padded(PROMPTS)
+  tokens, lengths = testing.padded(PROMPTS)
   free = decode.generate(
     target, tokens, lengths, jax.random.key(0), decode.DecodeConfig(max_new_tokens=12)
   )
@@ -95,7 +82,7 @@ def test_eos_stops_one_sequence_and_pads_it(target):
 
 
 def test_sampling_is_reproducible_from_the_seed(target):
-  tokens, lengths = padded(PROMPTS)
+  tokens, lengths = testing.padded(PROMPTS)
   cfg = decode.DecodeConfig(
     max_new_tokens=16, sampling=SamplingConfig(temperature=1.5, top_k=20, top_p=0.95)
   )
@@ -107,7 +94,7 @@ def test_sampling_is_reproducible_from_the_seed(target):
 
 
 def test_generate_inside_a_user_jit(target):
-  tokens, lengths = padded(PROMPTS)
+  tokens, lengths = testing.padded(PROMPTS)
   cfg = decode.DecodeConfig(max_new_tokens=8)
 
   @jax.jit
@@ -123,7 +110,7 @@ def test_generate_inside_a_user_jit(target):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_stream_yields_exactly_what_generate_returns(target, temperature):
-  tokens, lengths = padded(PROMPTS)
+  tokens, lengths = testing.padded(PROMPTS)
   cfg = decode.DecodeConfig(
     max_new_tokens=9, sampling=SamplingConfig(temperature=temperature), eos_ids=(3,)
   )
@@ -137,7 +124,7 @@ def test_stream_yields_exactly_what_generate_returns(target, temperature):
 
 
 def test_bad_inputs_raise_one_clear_error(target):
-  tokens, lengths = padded(PROMPTS)
+  tokens, lengths = testing.padded(PROMPTS)
   key = jax.random.key(0)
   with pytest.raises(ValueError, match="empty prompt"):
     decode.generate(

@@ -15,10 +15,8 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-from pspec_jax import drafter_files
+from pspec_jax import drafter_files, testing
 
-SMOKE = "configs/smollm2_135m.py:smoke"
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow
 
 
@@ -27,15 +25,11 @@ def _command(module, workdir, cache, *extra):
     sys.executable,
     "-m",
     module,
-    f"--config={SMOKE}",
+    f"--config={testing.SMOKE}",
     f"--workdir={workdir}",
     f"--config.data.cache_dir={cache}",
     *extra,
   ]
-
-
-def cli_env():
-  return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", HF_HUB_OFFLINE="1")
 
 
 def _train_lines(workdir):
@@ -50,8 +44,8 @@ def uninterrupted(tmp_path_factory):
   workdir, cache = base / "run", base / "cache"
   result = subprocess.run(
     _command("train.distill", workdir, cache),
-    cwd=ROOT,
-    env=cli_env(),
+    cwd=testing.ROOT,
+    env=testing.cli_env(),
     capture_output=True,
     text=True,
   )
@@ -80,8 +74,8 @@ def test_eval_only_scores_the_last_checkpoint(uninterrupted, tmp_path):
   shutil.copytree(workdir, copy)
   result = subprocess.run(
     _command("train.distill", copy, cache, "--eval_only"),
-    cwd=ROOT,
-    env=cli_env(),
+    cwd=testing.ROOT,
+    env=testing.cli_env(),
     capture_output=True,
     text=True,
   )
@@ -103,8 +97,8 @@ def test_a_run_killed_in_the_middle_of_a_save_resumes_where_it_stopped(uninterru
   workdir = tmp_path / "run"
   proc = subprocess.Popen(
     _command("train.distill", workdir, cache),
-    cwd=ROOT,
-    env=cli_env(),
+    cwd=testing.ROOT,
+    env=testing.cli_env(),
     stdout=subprocess.DEVNULL,
     stderr=subprocess.DEVNULL,
   )
@@ -124,8 +118,8 @@ def test_a_run_killed_in_the_middle_of_a_save_resumes_where_it_stopped(uninterru
   assert complete and complete[-1] == 2, complete
   result = subprocess.run(
     _command("train.distill", workdir, cache),
-    cwd=ROOT,
-    env=cli_env(),
+    cwd=testing.ROOT,
+    env=testing.cli_env(),
     capture_output=True,
     text=True,
   )
@@ -159,8 +153,8 @@ def test_resume_falls_back_past_a_damaged_checkpoint(uninterrupted, tmp_path, ho
   _damage(workdir / "checkpoints" / "6", how)
   result = subprocess.run(
     _command("train.distill", workdir, cache),
-    cwd=ROOT,
-    env=cli_env(),
+    cwd=testing.ROOT,
+    env=testing.cli_env(),
     capture_output=True,
     text=True,
   )
@@ -198,8 +192,8 @@ def test_a_run_started_from_a_drafter_file_keeps_it_until_it_trains(
   def run(*extra):
     result = subprocess.run(
       _command("train.distill", workdir, cache, f"--config.train.init_from={start}", *extra),
-      cwd=ROOT,
-      env=cli_env(),
+      cwd=testing.ROOT,
+      env=testing.cli_env(),
       capture_output=True,
       text=True,
     )
@@ -243,8 +237,8 @@ def test_a_diverged_run_keeps_only_finite_weights_and_a_sane_restart_finishes(
   huge = ("--config.train.lr=1e30", "--config.train.clip_norm=1e30")
   result = subprocess.run(
     _command("train.distill", workdir, cache, *huge),
-    cwd=ROOT,
-    env=cli_env(),
+    cwd=testing.ROOT,
+    env=testing.cli_env(),
     capture_output=True,
     text=True,
   )
@@ -256,8 +250,8 @@ def test_a_diverged_run_keeps_only_finite_weights_and_a_sane_restart_finishes(
   assert sorted(int(d) for d in os.listdir(workdir / "checkpoints"))[-1] == said
   result = subprocess.run(
     _command("train.distill", workdir, cache),
-    cwd=ROOT,
-    env=cli_env(),
+    cwd=testing.ROOT,
+    env=testing.cli_env(),
     capture_output=True,
     text=True,
   )
@@ -289,8 +283,8 @@ def test_a_workdir_that_is_a_file_is_one_error_line(tmp_path):
   path.write_text("")
   result = subprocess.run(
     _command("train.distill", path, tmp_path / "cache", "--config.train.steps=1"),
-    cwd=ROOT,
-    env=cli_env(),
+    cwd=testing.ROOT,
+    env=testing.cli_env(),
     capture_output=True,
     text=True,
   )
@@ -332,8 +326,8 @@ def test_two_processes_train_as_one(uninterrupted, smollm2, tmp_path):
         "--config.data.cache_features=False",
         "--config.train.steps=4",
       ),
-      cwd=ROOT,
-      env=cli_env(),
+      cwd=testing.ROOT,
+      env=testing.cli_env(),
       stdout=subprocess.PIPE,
       stderr=subprocess.PIPE,
       text=True,

@@ -7,18 +7,17 @@ import os
 import jax
 import numpy as np
 import pytest
+from etils import epath
 from flax import traverse_util
 from safetensors.numpy import load_file, save_file
-from tiny_models import PROMPTS, TINY, make_target, padded
 
-from pspec_jax import decode, drafter_files, llama, sampling
+from pspec_jax import decode, drafter_files, llama, sampling, testing, tree_specs
 from pspec_jax import drafter as drafter_lib
-from pspec_jax import tree as tree_lib
 
 
 @pytest.fixture(scope="module")
 def target():
-  return make_target(5.0)
+  return testing.make_target(5.0)
 
 
 # Every kind, with settings away from the defaults so that a field dropped on the way shows.
@@ -76,11 +75,46 @@ def test_save_then_load_round_trips(target, tmp_path, kind):
     np.testing.assert_array_equal(restored[name], value, err_msg=name)
   # Greedy output is the target's whatever the drafter; rounds and acceptance are the drafter's.
   cfg = decode.DecodeConfig(max_new_tokens=12)
-  tokens, lengths = padded(PROMPTS)
+  tokens, lengths = testing.padded(testing.PROMPTS)
   want = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter)
   got = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, loaded)
   for field in ("tokens", "lengths", "rounds", "accepted_per_depth"):
     assert getattr(got, field).tolist() == getattr(want, field).tolist(), field
+
+
+def test_save_then_load_through_epath(target, tmp_path):
+  """A drafter directory given as an `etils.epath.Path` (what a gs:// URL becomes) is written
+  and read back through epath."""
+  directory = epath.Path(tmp_path) / "export"
+  drafter = make_drafter("eagle", target)  # parameters and a draft vocabulary
+  drafter_files.save_drafter(directory, drafter)
+  loaded = drafter_files.load_drafter(directory, target)
+  assert loaded.cfg == drafter.cfg
+  assert loaded.vocab.tolist() == drafter.vocab.tolist()
+  original, restored = flat(drafter.params), flat(loaded.params)
+  assert restored.keys() == original.keys() and original
+  for name, value in original.items():
+    np.testing.assert_array_equal(restored[name], value, err_msg=name)
+
+
+def test_remote_parameters_are_read_through_a_local_copy(target, tmp_path):
+  """A parameters file behind a URL (no local file to memory-map) reads as the local one."""
+  drafter_files.save_drafter(str(tmp_path), make_drafter("eagle", target))
+  local = epath.Path(tmp_path) / drafter_files.PARAMS_FILE
+
+  class Remote:  # the part of an epath gs:// path the reader uses
+    def __fspath__(self):
+      return "gs://bucket/export/" + drafter_files.PARAMS_FILE
+
+    def read_bytes(self):
+      return local.read_bytes()
+
+  want = drafter_files._read_tensors(local)
+  got = drafter_files._read_tensors(Remote())
+  assert got.keys() == want.keys() and want
+  for name, value in want.items():
+    assert got[name].dtype == value.dtype, name
+    np.testing.assert_array_equal(got[name], value, err_msg=name)
 
 
 def test_json_records_kind_draft_length_tree_and_target(target, tmp_path):
@@ -100,15 +134,15 @@ def test_decoding_takes_the_sampling_tree_above_temperature_zero(target, tmp_pat
   drafter_files.save_drafter(str(tmp_path), make_drafter("eagle", target))
   drafter = drafter_files.load_drafter(str(tmp_path), target)
   sampled = sampling.SamplingConfig(temperature=0.7)
-  greedy_pool = decode.pool_tree(decode.DecodeConfig(), drafter)
-  sampled_pool = decode.pool_tree(decode.DecodeConfig(sampling=sampled), drafter)
-  assert greedy_pool == tree_lib.parse("dynamic:5", 3)
-  assert sampled_pool == tree_lib.parse("chain", 3)
+  greedy_pool = decode.resolve_tree(decode.DecodeConfig(), drafter)
+  sampled_pool = decode.resolve_tree(decode.DecodeConfig(sampling=sampled), drafter)
+  assert greedy_pool == tree_specs.parse("dynamic:5", 3)
+  assert sampled_pool == tree_specs.parse("chain", 3)
   # A tree asked for explicitly wins at any temperature; without a sampling tree, `tree` serves.
   explicit = decode.DecodeConfig(sampling=sampled, tree="sparse4")
-  assert decode.pool_tree(explicit, drafter) == tree_lib.parse("sparse4", 3)
+  assert decode.resolve_tree(explicit, drafter) == tree_specs.parse("sparse4", 3)
   medusa = make_drafter("medusa", target)
-  assert decode.pool_tree(decode.DecodeConfig(sampling=sampled), medusa) == tree_lib.parse(
+  assert decode.resolve_tree(decode.DecodeConfig(sampling=sampled), medusa) == tree_specs.parse(
     "sparse8", 4
   )
   with pytest.raises(ValueError, match="tree"):
@@ -171,7 +205,7 @@ def saved(target, tmp_path):
 )
 def test_loading_for_another_target_is_refused(saved, changes):
   # Only the target's config is read: abstract parameters will do.
-  cfg = TINY.replace(**changes)
+  cfg = testing.TINY.replace(**changes)
   other = llama.Target(
     cfg=cfg, params=jax.eval_shape(lambda: llama.init_params(cfg, jax.random.key(0)))
   )

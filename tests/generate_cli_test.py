@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from pspec_jax import checkpoints, data
+from pspec_jax import checkpoints
+from pspec_jax import prompts as prompts_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,7 +28,7 @@ def run_cli(*flags, timeout=300, devices=1):
 
 
 def test_mt_bench_questions_are_read_first_turn():
-  prompts = data.read_prompts(data.prompt_set_path("mt_bench"))
+  prompts = prompts_lib.read_prompts(prompts_lib.prompt_set_path("mt_bench"))
   assert len(prompts) == 80
   assert prompts[0].startswith("Compose an engaging travel blog post about a recent trip to Hawaii")
 

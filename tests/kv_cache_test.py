@@ -5,15 +5,12 @@ drafter) pass over each finished sequence for the caches a whole decode leaves b
 numpy gather along a hand-chosen path for `decode.commit`.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_models import PROMPTS, TINY, make_target, padded
 
-from pspec_jax import decode
+from pspec_jax import decode, testing, tree_specs
 from pspec_jax import drafter as drafter_lib
 from pspec_jax import tree as tree_lib
 from pspec_jax.kv_cache import KVCache
@@ -81,17 +78,17 @@ def test_write_casts_to_the_cache_dtype():
 DECODE_CFG = decode.DecodeConfig(max_new_tokens=24, eos_ids=(4,), tree="sparse8")
 
 
-@functools.partial(jax.jit, static_argnames="cfg")
 def run_to_completion(target, drafter, tokens, lengths, cfg):
-  state = decode.init(target, tokens, lengths, jax.random.key(0), cfg, drafter)
-  return jax.lax.while_loop(
-    lambda s: ~s.done.all(), lambda s: decode.round_step(target, s, cfg, drafter), state
-  )
+  plan = decode.make_plan(cfg, drafter, tokens.shape[1])
+  state = decode.init(plan, target, drafter, tokens, lengths, jax.random.key(0))
+  while not bool(state.done.all()):
+    state = decode.round_step(plan, target, drafter, state)
+  return state
 
 
 @pytest.fixture(scope="module")
 def target():
-  return make_target(5.0)
+  return testing.make_target(5.0)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +105,7 @@ def final_states(target):
         # Scaled up, this random pspec drafter gets some paths accepted on this target.
         drafter = drafter_lib.random_drafter("pspec", target, jax.random.key(3), num_draft=4)
         drafter = drafter.replace(params=jax.tree.map(lambda x: 10.0 * x, drafter.params))
-      state = run_to_completion(target, drafter, *padded(PROMPTS), DECODE_CFG)
+      state = run_to_completion(target, drafter, *testing.padded(testing.PROMPTS), DECODE_CFG)
       states[kind] = (jax.device_get(state), drafter)
     return states[kind]
 
@@ -190,7 +187,7 @@ def bonus_token(b):
 
 def commit_inputs():
   rng = np.random.default_rng(0)
-  tree = tree_lib.parse(COMMIT_TREE, 3)
+  tree = tree_specs.parse(COMMIT_TREE, 3)
   m = tree.num_nodes
   batch = len(PATHS)
   node_tokens = np.array([[node_token(b, i) for i in range(m)] for b in range(batch)], np.int32)
@@ -249,10 +246,10 @@ def commit_inputs():
 def test_commit_copies_the_accepted_path_into_contiguous_slots(max_new_tokens, eos_ids, kept, done):
   state, verified = commit_inputs()
   # The drafter only names the tree here; commit never calls it.
-  pld = drafter_lib.DrafterConfig.for_target("pld", TINY, num_draft=3, tree=COMMIT_TREE)
+  pld = drafter_lib.DrafterConfig.for_target("pld", testing.TINY, num_draft=3, tree=COMMIT_TREE)
   cfg = decode.DecodeConfig(max_new_tokens=max_new_tokens, eos_ids=eos_ids)
-  new_state, pairs = jax.jit(decode.commit, static_argnames="cfg")(
-    state, verified, cfg, drafter_lib.Drafter(cfg=pld, params={})
+  new_state, pairs = decode.commit(
+    decode.make_plan(cfg, drafter_lib.Drafter(cfg=pld, params={}), WIDTH), state, verified
   )
   assert new_state.cache.lengths.tolist() == [n + k for n, k in zip(N, kept, strict=True)]
   assert new_state.done.tolist() == done

@@ -8,43 +8,7 @@ import torch
 import transformers
 from jax.sharding import PartitionSpec
 
-from pspec_jax import checkpoints, llama, sharding
-
-HF_CONFIGS = {
-  "gqa_untied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
-  "mha_tied": dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
-  "llama3_scaling_wide_heads": dict(
-    num_attention_heads=4,
-    num_key_value_heads=1,
-    head_dim=16,
-    tie_word_embeddings=False,
-    rope_theta=500000.0,
-    rope_scaling=dict(
-      rope_type="llama3",
-      factor=8.0,
-      low_freq_factor=1.0,
-      high_freq_factor=4.0,
-      original_max_position_embeddings=16,
-    ),
-  ),
-}
-
-
-def save_hf_llama(directory, seed=0, dtype=torch.float32, **overrides):
-  """A tiny random HF Llama saved with `save_pretrained`; returns the torch model."""
-  torch.manual_seed(seed)
-  config = transformers.LlamaConfig(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=3,
-    max_position_embeddings=256,
-    initializer_range=0.2,
-    **overrides,
-  )
-  model = transformers.LlamaForCausalLM(config).to(dtype).eval()
-  model.save_pretrained(directory)
-  return model
+from pspec_jax import checkpoints, layers, llama, sharding, testing, weights
 
 
 def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
@@ -58,9 +22,9 @@ def full_forward_logits(target, tokens_BT):
   return np.asarray(target.logits(features))
 
 
-@pytest.mark.parametrize("name", sorted(HF_CONFIGS))
+@pytest.mark.parametrize("name", sorted(testing.HF_CONFIGS))
 def test_logits_match_hf_transformers(tmp_path, name):
-  model = save_hf_llama(tmp_path, **HF_CONFIGS[name])
+  model = testing.save_hf_llama(tmp_path, **testing.HF_CONFIGS[name])
   target = checkpoints.load_target(str(tmp_path))
   tokens = np.random.default_rng(0).integers(0, 96, (2, 40))
   ref = hf_logits(model, tokens)
@@ -71,7 +35,7 @@ def test_logits_match_hf_transformers(tmp_path, name):
 
 @pytest.mark.parametrize("name", ["mha_tied", "gqa_untied"])
 def test_untie_head_gives_the_same_model_with_its_own_lm_head(tmp_path, name):
-  model = save_hf_llama(tmp_path, **HF_CONFIGS[name])
+  model = testing.save_hf_llama(tmp_path, **testing.HF_CONFIGS[name])
   target = checkpoints.load_target(str(tmp_path), scan_layers=False, untie_head=True)
   assert not target.cfg.tie_embeddings
   if name == "mha_tied":  # a copy of the embedding, in the [D, V] layout of an untied head
@@ -86,7 +50,7 @@ def test_untie_head_gives_the_same_model_with_its_own_lm_head(tmp_path, name):
 
 
 def test_bfloat16_checkpoint_loads(tmp_path):
-  save_hf_llama(tmp_path, dtype=torch.bfloat16, **HF_CONFIGS["gqa_untied"])
+  testing.save_hf_llama(tmp_path, dtype=torch.bfloat16, **testing.HF_CONFIGS["gqa_untied"])
   target = checkpoints.load_target(str(tmp_path))
   tokens = np.random.default_rng(1).integers(0, 96, (1, 12))
   # Same bf16 weights, both computed in float32 (reloading keeps HF's RoPE buffer in float32).
@@ -97,7 +61,7 @@ def test_bfloat16_checkpoint_loads(tmp_path):
 
 
 def test_sharded_checkpoint_with_index_loads(tmp_path):
-  model = save_hf_llama(tmp_path, **HF_CONFIGS["gqa_untied"])
+  model = testing.save_hf_llama(tmp_path, **testing.HF_CONFIGS["gqa_untied"])
   model.save_pretrained(tmp_path, max_shard_size="40KB")
   assert (tmp_path / "model.safetensors.index.json").exists()
   assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
@@ -112,7 +76,9 @@ def test_sharded_checkpoint_with_index_loads(tmp_path):
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_sharded_checkpoint_loads_straight_into_a_mesh(tmp_path, scan_layers):
   """Llama-2 architecture (MHA, untied) in several safetensors files, onto data=2 x tensor=4."""
-  save_hf_llama(tmp_path, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)
+  testing.save_hf_llama(
+    tmp_path, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False
+  )
   transformers.LlamaForCausalLM.from_pretrained(tmp_path).save_pretrained(
     tmp_path, max_shard_size="40KB"
   )
@@ -137,11 +103,15 @@ def test_rope_inv_freq_matches_hf_llama3():
   hf_cfg = transformers.LlamaConfig(
     hidden_size=64,
     num_attention_heads=2,
-    **{k: v for k, v in HF_CONFIGS["llama3_scaling_wide_heads"].items() if k.startswith("rope")},
+    **{
+      k: v
+      for k, v in testing.HF_CONFIGS["llama3_scaling_wide_heads"].items()
+      if k.startswith("rope")
+    },
   )
   ref, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
-  ours = llama.rope_inv_freq(
-    checkpoints.config_from_hf(
+  ours = layers.rope_inv_freq(
+    weights.config_from_hf(
       hf_cfg.to_dict()
       | {
         "architectures": ["LlamaForCausalLM"],
@@ -242,7 +212,7 @@ def test_looped_layers_equal_scanned_layers(tiny_target, tmp_path):
   np.testing.assert_allclose(kv[0], expected_kv[0], atol=1e-5)
   assert looped.with_scan_layers(True).params["layers"]["attn"]["q"].shape == (2, 32, 4, 8)
   # The loader builds either layout directly.
-  save_hf_llama(tmp_path, **HF_CONFIGS["gqa_untied"])
+  testing.save_hf_llama(tmp_path, **testing.HF_CONFIGS["gqa_untied"])
   a = checkpoints.load_target(str(tmp_path))
   b = checkpoints.load_target(str(tmp_path), scan_layers=False)
   np.testing.assert_allclose(

@@ -1,4 +1,4 @@
-"""Training layouts and losses against slow references written from DESIGN.md section 2."""
+"""Training layouts and losses against slow references written from docs/design.md section 2."""
 
 import functools
 
@@ -6,10 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_models import TINY, make_target
 
 from pspec_jax import drafter as drafter_lib
-from pspec_jax import losses
+from pspec_jax import losses, testing
 from train import step as step_lib
 
 S = 12  # row length of the layout tests
@@ -108,10 +107,10 @@ def test_segment_positions_and_mask():
 
 @pytest.mark.parametrize(("num_draft", "num_anchors"), [(2, 0), (4, 5), (5, S)])
 def test_grouped_attention_equals_the_full_parallel_group_mask(num_draft, num_anchors):
-  target = make_target(2.0)
+  target = testing.make_target(2.0)
   drafter = drafter_lib.random_drafter("pspec", target, jax.random.key(3), num_draft=num_draft)
   loss_mask, segments = _rows(3, seed=7)
-  tokens = jax.random.randint(jax.random.key(1), (3, S), 0, TINY.vocab_size)
+  tokens = jax.random.randint(jax.random.key(1), (3, S), 0, testing.TINY.vocab_size)
   layout = _layout(loss_mask, segments, num_draft, num_anchors, 2)
   segments = jnp.asarray(segments)
   pair_positions = losses.segment_positions(segments)
@@ -135,7 +134,9 @@ def test_grouped_attention_equals_the_full_parallel_group_mask(num_draft, num_an
 
   want = drafter.apply(method=flat)
   np.testing.assert_allclose(g_real, want[:, :S], atol=1e-5)
-  np.testing.assert_allclose(g_slots.reshape(3, -1, TINY.hidden_size), want[:, S:], atol=1e-5)
+  np.testing.assert_allclose(
+    g_slots.reshape(3, -1, testing.TINY.hidden_size), want[:, S:], atol=1e-5
+  )
 
 
 def _reference_rows(kind, num_draft, loss_mask, segments):
@@ -154,10 +155,10 @@ def _reference_rows(kind, num_draft, loss_mask, segments):
 
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
 def test_rows_of_eagle_and_medusa_match_the_reference(kind):
-  target = make_target(2.0)
+  target = testing.make_target(2.0)
   drafter = drafter_lib.random_drafter(kind, target, jax.random.key(3), num_draft=3)
   loss_mask, segments = _rows(3, seed=11)
-  tokens = jax.random.randint(jax.random.key(1), (3, S), 0, TINY.vocab_size)
+  tokens = jax.random.randint(jax.random.key(1), (3, S), 0, testing.TINY.vocab_size)
   batch = dict(tokens=tokens, loss_mask=jnp.asarray(loss_mask), segments=jnp.asarray(segments))
   rows, _ = losses.distill_rows(drafter, target, batch, jax.random.key(0), losses.LossConfig())
   seg = jnp.asarray(segments)
@@ -180,9 +181,9 @@ def test_rows_of_eagle_and_medusa_match_the_reference(kind):
 
 def test_a_packed_row_trains_like_its_conversations_alone():
   """Packing changes nothing: the rows of a packed conversation equal those of it alone."""
-  target = make_target(2.0)
+  target = testing.make_target(2.0)
   drafter = drafter_lib.random_drafter("eagle", target, jax.random.key(3), num_draft=3)
-  tokens = jax.random.randint(jax.random.key(1), (1, S), 0, TINY.vocab_size)
+  tokens = jax.random.randint(jax.random.key(1), (1, S), 0, testing.TINY.vocab_size)
   segments = jnp.asarray([[1] * 5 + [2] * 7])
   mask = jnp.asarray([[0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1]], bool)
   packed, _ = losses.distill_rows(
@@ -258,7 +259,7 @@ def _repeating_batch(batch=4, length=24):
 
 @pytest.mark.parametrize("kind", ["pspec", "eagle", "medusa"])
 def test_training_on_a_repeating_sequence_drives_the_loss_down(kind):
-  target = make_target(3.0).with_scan_layers(True)
+  target = testing.make_target(3.0).with_scan_layers(True)
   drafter = drafter_lib.random_drafter(kind, target, jax.random.key(0), num_draft=3)
   cfg = step_lib.StepConfig(
     target=target.cfg,

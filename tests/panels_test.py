@@ -5,9 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import flatten_util
-from tiny_models import TINY, make_target
 
-from pspec_jax import checkpoints, drafter_files, llama, panels
+from pspec_jax import checkpoints, drafter_files, llama, panels, testing
 from pspec_jax import drafter as drafter_lib
 
 # M rows, K inputs, N outputs: N and K on and off multiples of the 64-column panel.
@@ -65,9 +64,9 @@ def _logits(target, tokens):
 @pytest.mark.parametrize(
   "cfg",
   [
-    TINY,  # every width under one panel
-    TINY.replace(hidden_size=96, intermediate_size=200, vocab_size=300, head_dim=24),
-    TINY.replace(scan_layers=True, tie_embeddings=True),
+    testing.TINY,  # every width under one panel
+    testing.TINY.replace(hidden_size=96, intermediate_size=200, vocab_size=300, head_dim=24),
+    testing.TINY.replace(scan_layers=True, tie_embeddings=True),
   ],
 )
 def test_the_target_computes_the_same_logits_in_both_layouts(cfg):
@@ -104,7 +103,9 @@ def test_the_embedded_target_computes_the_same_logits_in_both_layouts(smollm2):
 
 @pytest.mark.parametrize("kind", ["pspec", "eagle", "medusa"])
 def test_drafter_files_hold_the_plain_layout(tmp_path, kind):
-  target = make_target(5.0, cfg=TINY.replace(name="tiny-wide", hidden_size=80, head_dim=20))
+  target = testing.make_target(
+    5.0, cfg=testing.TINY.replace(name="tiny-wide", hidden_size=80, head_dim=20)
+  )
   packed_target = target.with_weight_layout("panels")
   drafter = drafter_lib.random_drafter(kind, packed_target, jax.random.key(3))
   assert drafter.cfg.weight_layout == "panels"
@@ -124,7 +125,7 @@ def test_drafter_files_hold_the_plain_layout(tmp_path, kind):
 
 def test_a_bad_layout_is_one_clear_error():
   with pytest.raises(ValueError, match="weight_layout must be one of"):
-    TINY.replace(weight_layout="tiles")
+    testing.TINY.replace(weight_layout="tiles")
   with pytest.raises(ValueError, match="unknown weight layout 'tiles'"):
     checkpoints.load_target("smollm2-135m-instruct", weight_layout="tiles")
   assert checkpoints.decode_layout() == "panels"  # the tests run on the CPU
@@ -133,7 +134,7 @@ def test_a_bad_layout_is_one_clear_error():
 
 
 def test_a_restricted_draft_head_gives_the_same_logits_in_both_layouts():
-  target = make_target(5.0, cfg=TINY.replace(name="tiny-wide", vocab_size=150))
+  target = testing.make_target(5.0, cfg=testing.TINY.replace(name="tiny-wide", vocab_size=150))
   packed = target.with_weight_layout("panels")
   vocab = jnp.asarray([149, 3, 77, 64, 63, 0, 128], jnp.int32)
   g = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 32)), jnp.float32)

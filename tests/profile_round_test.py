@@ -8,15 +8,15 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from configs import common
-from infer import bench, profile_round
-from pspec_jax import decode
-from tests.tiny_models import TINY, drafter_for
+from infer import measure, profile_round
+from pspec_jax import decode, presets, testing
 
 # The decoding tests' tiny architecture with a larger vocabulary; a test ties its head, which
 # the random target unties.
 _NOT_ARCHITECTURE = ("name", "scan_layers", "weight_layout", "dtype", "param_dtype")
-TINY_ARCH = {k: v for k, v in dataclasses.asdict(TINY).items() if k not in _NOT_ARCHITECTURE}
+TINY_ARCH = {
+  k: v for k, v in dataclasses.asdict(testing.TINY).items() if k not in _NOT_ARCHITECTURE
+}
 TINY_ARCH["vocab_size"] = 64
 
 
@@ -36,7 +36,7 @@ def test_an_unknown_architecture_is_one_clear_error():
 
 
 def test_a_random_target_profiles_round_parts_loop_and_step(monkeypatch):
-  monkeypatch.setitem(common.ARCHITECTURES, "tiny", TINY_ARCH | dict(tie_embeddings=True))
+  monkeypatch.setitem(presets.ARCHITECTURES, "tiny", TINY_ARCH | dict(tie_embeddings=True))
   target, prompts, eos_ids = profile_round.load("random:tiny", jnp.bfloat16, "plain", 2, 12)
   assert target.cfg.name == "random-tiny" and eos_ids == ()
   assert [len(p) for p in prompts] == [12, 12]
@@ -44,18 +44,18 @@ def test_a_random_target_profiles_round_parts_loop_and_step(monkeypatch):
   assert {x.dtype for x in jax.tree.leaves(target.params)} == {jnp.dtype(jnp.bfloat16)}
   # A tied head is its own [D, V] copy, as the decoding programs load real targets.
   assert not target.cfg.tie_embeddings and target.params["lm_head"].shape == (32, 64)
-  drafter = drafter_for("pspec", target, num_draft=2)
+  drafter = testing.drafter_for("pspec", target, num_draft=2)
   cfg = decode.DecodeConfig(max_new_tokens=9, num_draft=2, tree="chain")
 
-  ms, rounds = profile_round.phase_split(target, drafter, prompts, cfg)
+  ms, rounds = measure.phase_split(target, drafter, prompts, cfg)
   assert set(ms) == {"draft", "verify", "accept+commit"} and min(ms.values()) > 0
   assert 2 <= rounds <= 16  # 8 tokens after the first for each prompt, 1 to 3 a round
-  per_round, loop_rounds = bench.round_seconds(target, drafter, prompts[0], cfg)
+  per_round, loop_rounds = measure.round_seconds(target, drafter, prompts[0], cfg)
   assert math.isfinite(per_round) and 1 <= loop_rounds <= 8  # its sign is the machine's
   with pytest.raises(ValueError, match="max_new_tokens >= 2, got 1"):
-    bench.round_seconds(target, drafter, prompts[0], decode.DecodeConfig(max_new_tokens=1))
+    measure.round_seconds(target, drafter, prompts[0], decode.DecodeConfig(max_new_tokens=1))
 
-  step = bench.step_profile(target, prompts[0], cfg, steps=4)
+  step = measure.step_profile(target, prompts[0], cfg, steps=4)
   params = target.params
   weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params)) - params["embedding"].nbytes
   assert step["weight_bytes"] == weight_bytes
@@ -78,16 +78,16 @@ def test_round_seconds_takes_each_decodes_fastest_run(monkeypatch):
       clock[0] += next(durations[self.max_new_tokens])
       return types.SimpleNamespace(rounds=[3])
 
-  monkeypatch.setattr(bench, "OurMethod", FakeMethod)
-  monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+  monkeypatch.setattr(measure, "OurMethod", FakeMethod)
+  monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
   cfg = decode.DecodeConfig(max_new_tokens=4, eos_ids=(7,))
-  per_round, rounds = bench.round_seconds(None, None, [1, 2], cfg, repeats=3)
+  per_round, rounds = measure.round_seconds(None, None, [1, 2], cfg, repeats=3)
   assert rounds == 3 and per_round == pytest.approx((0.5 - 0.1) / 3)
 
 
 def test_read_bandwidth_counts_bytes_read_once(monkeypatch):
   # A clock that ticks one second a reading: every read takes one second.
   ticks = iter(range(1000))
-  monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
-  assert bench.read_bandwidth(1 << 29, repeats=3) == 1 << 29
-  assert bench.read_bandwidth(4 << 20, repeats=3) == 1 << 28  # never a buffer a cache holds
+  monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+  assert measure.read_bandwidth(1 << 29, repeats=3) == 1 << 29
+  assert measure.read_bandwidth(4 << 20, repeats=3) == 1 << 28  # never a buffer a cache holds

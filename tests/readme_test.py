@@ -25,7 +25,9 @@ def test_the_readme_has_the_library_snippets():
   # The shipped drafter is named, not a placeholder path.
   assert any('resolve_drafter("pspec", None, target)' in b for b in blocks)
   # The speculative call decodes with the plain call's settings (EOS included).
-  assert any("eos_ids=checkpoints.eos_token_ids(" in b for b in blocks)
+  assert any("eos_ids=pj.eos_token_ids(" in b for b in blocks)
+  # The examples use the curated surface (`import pspec_jax as pj`).
+  assert "import pspec_jax as pj" in blocks[0]
 
 
 @pytest.mark.slow

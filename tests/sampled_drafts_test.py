@@ -9,11 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.stats
-from tiny_models import TINY, drafter_for, make_target, padded
 
-from pspec_jax import accept, decode
-from pspec_jax import drafter as drafter_lib
-from pspec_jax import tree as tree_lib
+from pspec_jax import accept, decode, testing, tree_specs
+from pspec_jax import propose as propose_lib
 from pspec_jax.sampling import SamplingConfig, filtered_logits
 
 # --- the recursive rejection step, exhaustively -----------------------------------------------
@@ -153,7 +151,7 @@ def test_sibling_draws_are_without_replacement_and_follow_q():
   vocab, k, n = 5, 3, 40000
   q = np.array([0.4, 0.25, 0.2, 0.15, 0.0])
   logq = jnp.log(jnp.asarray(q, jnp.float32))
-  index, score = drafter_lib.draw_candidates(
+  index, score = propose_lib.draw_candidates(
     jnp.broadcast_to(logq, (n, vocab)), k, jax.random.key(5)
   )
   index, score = np.asarray(index), np.asarray(score)
@@ -175,21 +173,21 @@ def test_sibling_draws_are_without_replacement_and_follow_q():
 
 @pytest.fixture(scope="module")
 def target():
-  return make_target(5.0)
+  return testing.make_target(5.0)
 
 
 @pytest.mark.parametrize("kind", ["pspec", "eagle", "medusa"])
 def test_drafted_trees_have_distinct_siblings(target, kind):
-  pool = tree_lib.parse("sparse16", 4)
-  drafter = drafter_for(kind, target)
+  pool = tree_specs.parse("sparse16", 4)
+  drafter = testing.drafter_for(kind, target)
   batch = 64
-  pairs = drafter_lib.Pairs(
+  pairs = propose_lib.Pairs(
     tokens=jnp.tile(jnp.asarray([[4, 11, 6]]), (batch, 1)),
     features=jax.random.normal(jax.random.key(0), (batch, 3, 32)),
     count=jnp.full((batch,), 3),
   )
-  draw = drafter_lib.Draw(SamplingConfig(temperature=1.0), jax.random.key(2))
-  _, (tokens, logp, logq) = drafter_lib.propose(
+  draw = propose_lib.Draw(SamplingConfig(temperature=1.0), jax.random.key(2))
+  _, (tokens, logp, logq) = propose_lib.propose(
     drafter, target, drafter.empty_cache(batch, 16), pairs, None, pool, draw
   )
   tokens = np.asarray(tokens)
@@ -200,7 +198,7 @@ def test_drafted_trees_have_distinct_siblings(target, kind):
       assert len(set(kids.tolist())) == len(kids), (b, node, kids)
   # Different sequences draw differently (the drafts are samples, not top-k).
   assert len({tuple(row) for row in tokens}) > batch // 2
-  rows = drafter_lib.draw_tables(kind, pool)
+  rows = propose_lib.draw_tables(kind, pool)
   assert logq.shape[0] == batch and logq.shape[1] > rows.max() and logq.shape[2] == 16
   # Every drafted token has q mass in the row it was drawn from.
   drawn_logq = np.take_along_axis(np.asarray(logq)[:, rows[1:]], tokens[:, 1:, None], -1)
@@ -209,7 +207,7 @@ def test_drafted_trees_have_distinct_siblings(target, kind):
 
 # --- whole decodes against the target's exact distribution --------------------------------------
 
-SAMPLING_TINY = TINY.replace(vocab_size=6, max_position_embeddings=64)
+SAMPLING_TINY = testing.TINY.replace(vocab_size=6, max_position_embeddings=64)
 NUM_SAMPLES = 24000
 PROMPT = [1, 2, 1, 2, 1]
 LENGTH = 4
@@ -256,12 +254,12 @@ def oracle_proposer(sampling):
         last = jnp.take_along_axis(features, (num_tokens_B + len(path) - 1)[:, None, None], 1)
         rows.append(jax.nn.log_softmax(filtered_logits(target.logits(last), sampling), -1))
       logq.append(jnp.concatenate(rows, axis=1))
-      index, score = drafter_lib.draw_candidates(
+      index, score = propose_lib.draw_candidates(
         logq[-1], pool.num_candidates, jax.random.fold_in(draw.key, d)
       )
       children = (a.depth == d + 1).nonzero()[0]
       slot = a.parent[children] - parents[0]
-      order = drafter_lib.sibling_order(pool)[children]
+      order = propose_lib.sibling_order(pool)[children]
       node_tokens = node_tokens.at[:, children].set(index[:, slot, order])
       node_logp = node_logp.at[:, children].set(score[:, slot, order])
     return cache, (node_tokens, node_logp, jnp.concatenate(logq, axis=1))
@@ -270,7 +268,7 @@ def oracle_proposer(sampling):
 
 
 def sample_many(target, drafter, cfg, batch):
-  tokens, lengths = padded([PROMPT] * batch, width=8)
+  tokens, lengths = testing.padded([PROMPT] * batch, width=8)
 
   @jax.jit
   def one(key):
@@ -316,10 +314,10 @@ T1_TOP_K_P = SamplingConfig(temperature=1.0, top_k=4, top_p=0.9)
   ],
 )
 def test_drafts_from_a_poor_drafter_keep_the_target_distribution(kind, tree, sampling, batch):
-  target = make_target(2.0, seed=3, cfg=SAMPLING_TINY)
+  target = testing.make_target(2.0, seed=3, cfg=SAMPLING_TINY)
   cfg = decode.DecodeConfig(max_new_tokens=LENGTH, sampling=sampling, num_draft=3, tree=tree)
-  drafter = drafter_for(kind, target, num_draft=3, seed=7)
-  assert decode.drawn_from_q(cfg, drafter)
+  drafter = testing.drafter_for(kind, target, num_draft=3, seed=7)
+  assert decode.make_plan(cfg, drafter, 8).drawn
   samples, tau, _ = sample_many(target, drafter, cfg, batch)
   assert tau > 1.1  # drafts do get accepted
   probs, _ = exact_joint(target, PROMPT, LENGTH, sampling)
@@ -330,10 +328,10 @@ def test_drafts_from_a_poor_drafter_keep_the_target_distribution(kind, tree, sam
   "tree,sampling,batch", [("chain", T07_TOP_P, 1), ("sparse8", T1_TOP_K_P, 4)]
 )
 def test_a_drafter_equal_to_the_target_is_always_accepted(monkeypatch, tree, sampling, batch):
-  target = make_target(2.0, seed=3, cfg=SAMPLING_TINY)
-  monkeypatch.setitem(drafter_lib.PROPOSERS, "eagle", oracle_proposer(sampling))
+  target = testing.make_target(2.0, seed=3, cfg=SAMPLING_TINY)
+  monkeypatch.setitem(propose_lib.PROPOSERS, "eagle", oracle_proposer(sampling))
   cfg = decode.DecodeConfig(max_new_tokens=LENGTH, sampling=sampling, num_draft=3, tree=tree)
-  drafter = drafter_for("eagle", target, num_draft=3, seed=7)
+  drafter = testing.drafter_for("eagle", target, num_draft=3, seed=7)
   samples, tau, depth1 = sample_many(target, drafter, cfg, batch)
   # One round takes every remaining token: the draft is accepted whatever the target samples.
   assert depth1 > 0.995 and tau > LENGTH - 1 - 0.02, (depth1, tau)
@@ -342,13 +340,14 @@ def test_a_drafter_equal_to_the_target_is_always_accepted(monkeypatch, tree, sam
 
 
 def test_top_k_drafts_stay_selectable_and_greedy_ignores_the_rule(target):
-  tokens, lengths = padded([[5, 9, 2, 13, 7], [1, 2]])
-  drafter = drafter_for("pspec", target)
+  tokens, lengths = testing.padded([[5, 9, 2, 13, 7], [1, 2]])
+  drafter = testing.drafter_for("pspec", target)
   sampling = decode.DecodeConfig(sampling=T1, drafts="top_k", tree="chain")
-  assert not decode.drawn_from_q(sampling, drafter)
-  assert decode.drawn_from_q(decode.DecodeConfig(sampling=T1, tree="chain"), drafter)
-  assert not decode.drawn_from_q(decode.DecodeConfig(sampling=T1, tree="lookup:3"), drafter)
-  assert not decode.drawn_from_q(decode.DecodeConfig(sampling=T1), drafter_for("pld", target))
+  drawn = lambda cfg, drafter: decode.make_plan(cfg, drafter, 8).drawn
+  assert not drawn(sampling, drafter)
+  assert drawn(decode.DecodeConfig(sampling=T1, tree="chain"), drafter)
+  assert not drawn(decode.DecodeConfig(sampling=T1, tree="lookup:3"), drafter)
+  assert not drawn(decode.DecodeConfig(sampling=T1), testing.drafter_for("pld", target))
   greedy = [decode.DecodeConfig(max_new_tokens=12, drafts=d) for d in decode.DRAFTS]
   outs = [decode.generate(target, tokens, lengths, jax.random.key(0), c, drafter) for c in greedy]
   assert outs[0].tokens.tolist() == outs[1].tokens.tolist()

@@ -8,7 +8,8 @@ import subprocess
 import sys
 
 import pytest
-from distill_test import ROOT, SMOKE, cli_env
+
+from pspec_jax import testing
 
 pytestmark = pytest.mark.slow
 
@@ -19,10 +20,12 @@ def test_selfdistill_writes_resumable_shards(tmp_path, smollm2):
     sys.executable,
     "-m",
     "train.selfdistill",
-    f"--config={SMOKE}",
+    f"--config={testing.SMOKE}",
     f"--config.selfdistill.out={out}",
   ]
-  result = subprocess.run(command, cwd=ROOT, env=cli_env(), capture_output=True, text=True)
+  result = subprocess.run(
+    command, cwd=testing.ROOT, env=testing.cli_env(), capture_output=True, text=True
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   shards = sorted(os.listdir(out))
   assert shards == ["part-00000.jsonl", "part-00001.jsonl"]
@@ -43,7 +46,9 @@ def test_selfdistill_writes_resumable_shards(tmp_path, smollm2):
   written = [(out / name).read_text() for name in shards]
   (out / shards[0]).unlink()
   (out / shards[1]).write_text(written[1].splitlines(keepends=True)[0])
-  result = subprocess.run(command, cwd=ROOT, env=cli_env(), capture_output=True, text=True)
+  result = subprocess.run(
+    command, cwd=testing.ROOT, env=testing.cli_env(), capture_output=True, text=True
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   assert [(out / name).read_text() for name in shards] == written
 
@@ -53,7 +58,7 @@ def _command(out, *extra):
     sys.executable,
     "-m",
     "train.selfdistill",
-    f"--config={SMOKE}",
+    f"--config={testing.SMOKE}",
     f"--config.selfdistill.out={out}",
     *extra,
   ]
@@ -62,12 +67,12 @@ def _command(out, *extra):
 def _run_processes(out, count, *extra, devices=1):
   """Runs `count` processes under jax.distributed (one plain process if count is 1), each with
   `devices` CPU devices; returns their (stdout, stderr)."""
-  env = cli_env()
+  env = testing.cli_env()
   if devices > 1:
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
   if count == 1:
     result = subprocess.run(
-      _command(out, *extra), cwd=ROOT, env=env, capture_output=True, text=True
+      _command(out, *extra), cwd=testing.ROOT, env=env, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return [(result.stdout, result.stderr)]
@@ -82,7 +87,7 @@ def _run_processes(out, count, *extra, devices=1):
   procs = [
     subprocess.Popen(
       _command(out, *cluster, f"--config.cluster.process_id={i}", *extra),
-      cwd=ROOT,
+      cwd=testing.ROOT,
       env=env,
       stdout=subprocess.PIPE,
       stderr=subprocess.PIPE,
@@ -164,7 +169,8 @@ def _greedy_answers(smollm2, prompts, max_new_tokens=8):
   """The target's greedy answers to `prompts`, decoded in one batch (as one shard is)."""
   import jax
 
-  from pspec_jax import checkpoints, data, decode
+  from pspec_jax import checkpoints, decode
+  from pspec_jax import prompts as prompts_lib
 
   target, tokenizer = smollm2
   cfg = decode.DecodeConfig(
@@ -172,7 +178,7 @@ def _greedy_answers(smollm2, prompts, max_new_tokens=8):
     eos_ids=checkpoints.eos_token_ids("smollm2-135m-instruct", tokenizer),
     pad_id=tokenizer.pad_token_id or 0,
   )
-  out = decode.generate(target, *data.pad_batch(prompts), jax.random.key(0), cfg)
+  out = decode.generate(target, *prompts_lib.pad_batch(prompts), jax.random.key(0), cfg)
   return [
     tokenizer.decode(out.tokens[row, : out.lengths[row]].tolist(), skip_special_tokens=True)
     for row in range(len(prompts))

@@ -5,26 +5,17 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pspec_jax import decode, llama, sharding
-from tests.tiny_models import drafter_for, make_target, padded
+from pspec_jax import decode, sharding, testing
 
 # Widths that every mesh axis divides, so heads, MLP and vocabulary are really split.
-WIDE = llama.LlamaConfig(
-  name="wide",
-  vocab_size=64,
-  hidden_size=64,
-  intermediate_size=128,
-  num_layers=2,
-  num_heads=8,
-  num_kv_heads=4,
-  max_position_embeddings=256,
+WIDE = testing.TINY.replace(
+  name="wide", vocab_size=64, hidden_size=64, intermediate_size=128, num_heads=8, num_kv_heads=4
 )
-PROMPTS = [[5, 9, 2, 13, 7], [1, 2], [10, 11, 12, 13, 14, 15, 3, 4, 8], [6]]
 
 
 @pytest.fixture(scope="module")
 def target():
-  return make_target(4.0, cfg=WIDE)
+  return testing.make_target(4.0, cfg=WIDE)
 
 
 @pytest.mark.parametrize("mesh_shape", [dict(data=1, tensor=8), dict(data=2, tensor=4)])
@@ -32,8 +23,8 @@ def target():
   "kind,tree", [(None, ""), ("pspec", ""), ("pspec", "paths:0+min:0.07+lookup:4")]
 )
 def test_sharded_greedy_decoding_gives_the_single_device_tokens(target, mesh_shape, kind, tree):
-  drafter = None if kind is None else drafter_for(kind, target, num_draft=3)
-  tokens, lengths = padded(PROMPTS)
+  drafter = None if kind is None else testing.drafter_for(kind, target, num_draft=3)
+  tokens, lengths = testing.padded(testing.PROMPTS)
   cfg = decode.DecodeConfig(max_new_tokens=20, num_draft=3 if kind else 0, tree=tree)
   key = jax.random.key(0)
   single = jax.device_get(decode.generate(target, tokens, lengths, key, cfg, drafter))
@@ -54,9 +45,8 @@ def test_sharded_greedy_decoding_gives_the_single_device_tokens(target, mesh_sha
   np.testing.assert_array_equal(out.accepted_per_depth, single.accepted_per_depth)
 
   # The cache lives split over batch (data) and kv heads (tensor, when it divides them).
-  state = jax.jit(decode.init, static_argnames="cfg")(
-    sharded_target, tokens, lengths, key, mesh_cfg, sharded_drafter
-  )
+  plan = decode.make_plan(mesh_cfg, sharded_drafter, tokens.shape[1])
+  state = decode.init(plan, sharded_target, sharded_drafter, tokens, lengths, key)
   data = "data" if mesh_shape["data"] > 1 else None
   heads = "tensor" if WIDE.num_kv_heads % mesh_shape["tensor"] == 0 else None
   spec = (None, data, None, heads, None)  # layers, batch, slots, kv heads, head dim

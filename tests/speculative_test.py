@@ -5,10 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.stats
-from tiny_models import PROMPTS, TINY, drafter_for, make_target, padded
 
-from pspec_jax import decode
+from pspec_jax import decode, testing, tree_specs
 from pspec_jax import drafter as drafter_lib
+from pspec_jax import propose as propose_lib
 from pspec_jax import tree as tree_lib
 from pspec_jax.sampling import SamplingConfig
 
@@ -17,13 +17,13 @@ KINDS = ("pspec", "eagle", "medusa", "pld")
 
 @pytest.fixture(scope="module")
 def target():
-  return make_target(5.0)
+  return testing.make_target(5.0)
 
 
 def assert_greedy_lossless(target, drafter, tree):
   """Greedy decoding of PROMPTS with `drafter` on `tree` gives plain decoding's tokens, and tau
   counts every token after the prefill's once; returns (config, plain, speculative) outputs."""
-  tokens, lengths = padded(PROMPTS)
+  tokens, lengths = testing.padded(testing.PROMPTS)
   cfg = decode.DecodeConfig(max_new_tokens=24, eos_ids=(3,), tree=tree)
   plain = decode.generate(target, tokens, lengths, jax.random.key(0), cfg)
   spec = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter)
@@ -36,7 +36,7 @@ def assert_greedy_lossless(target, drafter, tree):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("tree", ["chain", "sparse8", "dynamic:6"])
 def test_greedy_speculative_equals_plain_greedy(target, kind, tree):
-  _, plain, spec = assert_greedy_lossless(target, drafter_for(kind, target), tree)
+  _, plain, spec = assert_greedy_lossless(target, testing.drafter_for(kind, target), tree)
   assert (spec.rounds <= plain.rounds).all()
 
 
@@ -44,7 +44,7 @@ def test_greedy_speculative_equals_plain_greedy(target, kind, tree):
 def test_greedy_speculative_equals_plain_greedy_with_panel_weights(target, kind):
   # The CPU's decoding layout (`pspec_jax.panels`), with widths off the 64-column panels.
   packed = target.with_weight_layout("panels")
-  drafter = drafter_for(kind, packed)
+  drafter = testing.drafter_for(kind, packed)
   assert drafter.cfg.weight_layout == "panels"
   for tree in ("sparse8", "dynamic:6"):
     assert_greedy_lossless(packed, drafter, tree)
@@ -54,7 +54,7 @@ def test_greedy_speculative_equals_plain_greedy_with_panel_weights(target, kind)
 @pytest.mark.parametrize("layout", ["plain", "panels"])
 def test_a_restricted_draft_vocabulary_stays_lossless_and_drafts_from_it(target, kind, layout):
   target = target.with_weight_layout(layout)
-  tokens, lengths = padded(PROMPTS)
+  tokens, lengths = testing.padded(testing.PROMPTS)
   cfg = decode.DecodeConfig(max_new_tokens=24, tree="sparse8")
   vocab = [9, 2, 14, 5, 7, 0]
   drafter = drafter_lib.random_drafter(kind, target, jax.random.key(1), draft_vocab_size=6)
@@ -64,12 +64,12 @@ def test_a_restricted_draft_vocabulary_stays_lossless_and_drafts_from_it(target,
   assert spec.tokens.tolist() == plain.tokens.tolist()
   assert spec.lengths.tolist() == plain.lengths.tolist()
   # Every drafted node is a draft-vocabulary token, with the head gathered once or per call.
-  pool = tree_lib.parse("sparse8", 4)
-  pairs = drafter_lib.Pairs(
+  pool = tree_specs.parse("sparse8", 4)
+  pairs = propose_lib.Pairs(
     tokens=jnp.asarray([[4, 11, 6]]), features=jnp.ones((1, 3, 32)), count=jnp.asarray([3])
   )
   for d in (drafter, drafter.with_head(target)):
-    _, (node_tokens, node_logp) = drafter_lib.propose(
+    _, (node_tokens, node_logp) = propose_lib.propose(
       d, target, d.empty_cache(1, 16), pairs, (jnp.asarray([[4, 11, 6]]), jnp.asarray([3])), pool
     )
     assert set(np.asarray(node_tokens)[:, 1:].ravel().tolist()) <= set(vocab)
@@ -78,15 +78,17 @@ def test_a_restricted_draft_vocabulary_stays_lossless_and_drafts_from_it(target,
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_speculative_equals_plain_greedy_for_one_sequence(target, kind):
-  tokens, lengths = padded(PROMPTS[2:3], width=9)
+  tokens, lengths = testing.padded(testing.PROMPTS[2:3], width=9)
   cfg = decode.DecodeConfig(max_new_tokens=20, tree="sparse8")
   plain = decode.generate(target, tokens, lengths, jax.random.key(0), cfg)
-  spec = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter_for(kind, target))
+  spec = decode.generate(
+    target, tokens, lengths, jax.random.key(0), cfg, testing.drafter_for(kind, target)
+  )
   assert spec.tokens.tolist() == plain.tokens.tolist()
 
 
 def test_eos_inside_an_accepted_path_cuts_the_round(target):
-  tokens, lengths = padded(PROMPTS)
+  tokens, lengths = testing.padded(testing.PROMPTS)
   cfg = decode.DecodeConfig(max_new_tokens=30)
   plain = decode.generate(target, tokens, lengths, jax.random.key(0), cfg)
   # EOS = a token that pld's repetitive proposals accept mid-path in some sequence.
@@ -94,7 +96,7 @@ def test_eos_inside_an_accepted_path_cuts_the_round(target):
   cfg = decode.DecodeConfig(max_new_tokens=30, eos_ids=(eos,), num_draft=6)
   plain = decode.generate(target, tokens, lengths, jax.random.key(0), cfg)
   spec = decode.generate(
-    target, tokens, lengths, jax.random.key(0), cfg, drafter_for("pld", target)
+    target, tokens, lengths, jax.random.key(0), cfg, testing.drafter_for("pld", target)
   )
   assert spec.tokens.tolist() == plain.tokens.tolist()
   stopped = plain.lengths < 30
@@ -105,10 +107,10 @@ def test_eos_inside_an_accepted_path_cuts_the_round(target):
 
 def test_batch_of_one_equals_the_batch(target):
   cfg = decode.DecodeConfig(max_new_tokens=16, tree="sparse8")
-  drafter = drafter_for("medusa", target)
-  batch = decode.generate(target, *padded(PROMPTS), jax.random.key(0), cfg, drafter)
-  for row, prompt in enumerate(PROMPTS):
-    alone = decode.generate(target, *padded([prompt], 9), jax.random.key(0), cfg, drafter)
+  drafter = testing.drafter_for("medusa", target)
+  batch = decode.generate(target, *testing.padded(testing.PROMPTS), jax.random.key(0), cfg, drafter)
+  for row, prompt in enumerate(testing.PROMPTS):
+    alone = decode.generate(target, *testing.padded([prompt], 9), jax.random.key(0), cfg, drafter)
     assert alone.tokens[0].tolist() == batch.tokens[row].tolist()
 
 
@@ -119,7 +121,7 @@ def oracle_proposer(reference_BW):
     _, num_tokens = context
     index = num_tokens[:, None] + jnp.arange(pool.depth)
     candidates = jnp.take_along_axis(reference_BW, index, axis=1)[..., None]
-    return cache, drafter_lib._nodes_from_candidates(candidates, jnp.zeros_like(candidates), pool)
+    return cache, propose_lib._nodes_from_candidates(candidates, jnp.zeros_like(candidates), pool)
 
   return propose
 
@@ -128,39 +130,41 @@ def oracle_proposer(reference_BW):
 def test_oracle_drafter_reaches_tau_k_plus_one(target, monkeypatch, num_draft):
   rounds = 5
   max_new = 1 + rounds * (num_draft + 1)
-  tokens, lengths = padded(PROMPTS)
+  tokens, lengths = testing.padded(testing.PROMPTS)
   cfg = decode.DecodeConfig(max_new_tokens=max_new + num_draft, num_draft=num_draft)
   reference = decode.generate(target, tokens, lengths, jax.random.key(0), cfg)
-  full = np.zeros((len(PROMPTS), 16 + max_new + 2 * num_draft), np.int32)
-  for row, prompt in enumerate(PROMPTS):
+  full = np.zeros((len(testing.PROMPTS), 16 + max_new + 2 * num_draft), np.int32)
+  for row, prompt in enumerate(testing.PROMPTS):
     full[row, : len(prompt)] = prompt
     full[row, len(prompt) : len(prompt) + cfg.max_new_tokens] = reference.tokens[row]
-  monkeypatch.setitem(drafter_lib.PROPOSERS, "pld", oracle_proposer(jnp.asarray(full)))
+  monkeypatch.setitem(propose_lib.PROPOSERS, "pld", oracle_proposer(jnp.asarray(full)))
   cfg = decode.DecodeConfig(max_new_tokens=max_new, num_draft=num_draft)
-  out = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter_for("pld", target))
+  out = decode.generate(
+    target, tokens, lengths, jax.random.key(0), cfg, testing.drafter_for("pld", target)
+  )
   assert out.tokens.tolist() == reference.tokens[:, :max_new].tolist()
-  assert out.rounds.tolist() == [rounds] * len(PROMPTS)
+  assert out.rounds.tolist() == [rounds] * len(testing.PROMPTS)
   np.testing.assert_array_equal(out.tau, num_draft + 1)
   np.testing.assert_array_equal(out.accepted_per_depth, rounds)
 
 
 def test_stream_equals_generate_with_a_drafter(target):
-  tokens, lengths = padded(PROMPTS)
+  tokens, lengths = testing.padded(testing.PROMPTS)
   cfg = decode.DecodeConfig(max_new_tokens=20, eos_ids=(3,), tree="dynamic:5")
-  drafter = drafter_for("eagle", target)
+  drafter = testing.drafter_for("eagle", target)
   out = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter)
-  pieces = [[] for _ in PROMPTS]
+  pieces = [[] for _ in testing.PROMPTS]
   for new in decode.stream(target, tokens, lengths, jax.random.key(0), cfg, drafter):
     for row, ids in enumerate(new):
       pieces[row].extend(ids.tolist())
-  for row in range(len(PROMPTS)):
+  for row in range(len(testing.PROMPTS)):
     assert pieces[row] == out.tokens[row, : out.lengths[row]].tolist()
 
 
 def test_generate_under_a_users_jit(target):
-  tokens, lengths = padded(PROMPTS)
+  tokens, lengths = testing.padded(testing.PROMPTS)
   cfg = decode.DecodeConfig(max_new_tokens=12, tree="sparse8")
-  drafter = drafter_for("pspec", target)
+  drafter = testing.drafter_for("pspec", target)
   fn = jax.jit(lambda t, d, x, n: decode.generate(t, x, n, jax.random.key(0), cfg, d).tokens)
   plain = decode.generate(target, tokens, lengths, jax.random.key(0), cfg)
   assert fn(target, drafter, tokens, lengths).tolist() == plain.tokens.tolist()
@@ -168,7 +172,7 @@ def test_generate_under_a_users_jit(target):
 
 # --- sampling is lossless --------------------------------------------------------------------
 
-SAMPLING_TINY = TINY.replace(vocab_size=6, max_position_embeddings=64)
+SAMPLING_TINY = testing.TINY.replace(vocab_size=6, max_position_embeddings=64)
 NUM_SAMPLES = 30000
 
 
@@ -186,7 +190,7 @@ def exact_joint(target, prompt, length):
 
 
 def sample_many(target, drafter, prompt, cfg):
-  tokens, lengths = padded([prompt], width=8)
+  tokens, lengths = testing.padded([prompt], width=8)
 
   @jax.jit
   def one(key):
@@ -212,13 +216,13 @@ def sample_many(target, drafter, prompt, cfg):
   ],
 )
 def test_speculative_sampling_matches_the_target_distribution(kind, tree):
-  target = make_target(2.0, seed=3, cfg=SAMPLING_TINY)
+  target = testing.make_target(2.0, seed=3, cfg=SAMPLING_TINY)
   prompt = [1, 2, 1, 2, 1]
   length = 4
   cfg = decode.DecodeConfig(
     max_new_tokens=length, sampling=SamplingConfig(temperature=1.0), num_draft=3, tree=tree
   )
-  drafter = None if kind is None else drafter_for(kind, target, num_draft=3, seed=7)
+  drafter = None if kind is None else testing.drafter_for(kind, target, num_draft=3, seed=7)
   samples, tau = sample_many(target, drafter, prompt, cfg)
   assert tau > 1.1 if drafter else tau == 1  # drafts do get accepted
   probs, seqs = exact_joint(target, prompt, length)
@@ -240,7 +244,7 @@ def test_speculative_sampling_matches_the_target_distribution(kind, tree):
 
 
 def reference_slot_mask(count, num_real, num_slots, start=0):
-  """DESIGN.md section 2, from positions: pair t sits at t; slot (a, d) at a + d."""
+  """docs/design.md section 2, from positions: pair t sits at t; slot (a, d) at a + d."""
   anchor = start + count - 1
   kinds = [("real", start + j) for j in range(num_real)] + [
     ("slot", d) for d in range(1, num_slots + 1)
@@ -257,7 +261,7 @@ def reference_slot_mask(count, num_real, num_slots, start=0):
 
 def test_slot_mask_follows_the_attention_rule():
   counts = jnp.asarray([1, 3, 5])
-  mask = drafter_lib.pspec_mask(counts, 5, 3)
+  mask = propose_lib.pspec_mask(counts, 5, 3)
   for row, count in enumerate([1, 3, 5]):
     ref = reference_slot_mask(count, 5, 3)
     # Rows of pad pairs (j >= count) are never read.
@@ -269,22 +273,22 @@ def test_slot_mask_follows_the_attention_rule():
 
 def test_pspec_proposals_in_chunks_equal_one_pass_with_the_reference_mask(target):
   """The cached, chunked drafter == one uncached pass over all pairs and slots."""
-  drafter = drafter_for("pspec", target, num_draft=4)
-  pool = tree_lib.parse("sparse8", 4)
+  drafter = testing.drafter_for("pspec", target, num_draft=4)
+  pool = tree_specs.parse("sparse8", 4)
   rng = np.random.default_rng(0)
   n = 11
   pair_tokens = rng.integers(0, 16, (1, n)).astype(np.int32)
   features = jnp.asarray(rng.normal(size=(1, n, 32)), jnp.float32)
   cache = drafter.empty_cache(1, 32)
-  for lo, hi in [(0, 4), (4, 5), (5, 9), (9, 11)]:  # ragged chunks, padded to 5 pairs
+  for lo, hi in [(0, 4), (4, 5), (5, 9), (9, 11)]:  # ragged chunks, testing.padded to 5 pairs
     width = 5
     chunk_tokens = np.zeros((1, width), np.int32)
     chunk_tokens[0, : hi - lo] = pair_tokens[0, lo:hi]
     chunk_features = jnp.zeros((1, width, 32)).at[:, : hi - lo].set(features[:, lo:hi])
-    pairs = drafter_lib.Pairs(
+    pairs = propose_lib.Pairs(
       tokens=jnp.asarray(chunk_tokens), features=chunk_features, count=jnp.asarray([hi - lo])
     )
-    cache, (tokens, logp) = drafter_lib.propose(drafter, target, cache, pairs, None, pool)
+    cache, (tokens, logp) = propose_lib.propose(drafter, target, cache, pairs, None, pool)
   # Reference: every pair and the 3 slots anchored at the last pair, explicit mask, no cache.
   fd = drafter_lib.FeatureDrafter
   u = drafter.apply(target.embed(jnp.asarray(pair_tokens)), features, method=fd.pairs)
@@ -311,19 +315,17 @@ def test_decoding_drafts_what_training_predicts(target, kind):
   """
   from pspec_jax import losses
 
-  drafter = drafter_for(kind, target, num_draft=4)
+  drafter = testing.drafter_for(kind, target, num_draft=4)
   # Large weights, so that positions and attention move the drafter's top-1.
   drafter = drafter.replace(params=jax.tree.map(lambda x: 25 * x, drafter.params))
   cfg = decode.DecodeConfig(max_new_tokens=24, tree="chain")
-  tokens, lengths = padded(PROMPTS[:1])
-  state = jax.jit(decode.init, static_argnames="cfg")(
-    target, tokens, lengths, jax.random.key(0), cfg, drafter
-  )
-  round_step = jax.jit(decode.round_step, static_argnames="cfg")
+  tokens, lengths = testing.padded(testing.PROMPTS[:1])
+  plan = decode.make_plan(cfg, drafter, tokens.shape[1])
+  state = decode.init(plan, target, drafter, tokens, lengths, jax.random.key(0))
   rounds = []
   while not bool(state.done.all()):
     rounds.append((int(state.cache.lengths[0]), np.asarray(state.node_tokens[0, 1:])))
-    state = round_step(target, state, cfg, drafter)
+    state = decode.round_step(plan, target, drafter, state)
   seq = state.tokens[:, : int(state.num_tokens[0])]
   segments = jnp.ones_like(seq)
   positions, mask = losses.segment_positions(segments), losses.segment_mask(segments)
@@ -351,28 +353,28 @@ def test_decoding_drafts_what_training_predicts(target, kind):
 def test_pld_proposes_the_continuation_of_the_longest_recent_match():
   tokens = jnp.asarray([[1, 2, 3, 9, 1, 2, 3, 4, 5, 7, 2, 3, 0, 0]])
   # Suffix (2, 3) -> the most recent earlier "2 3" is at 5..6, followed by 4 5 7 2.
-  out, ok = drafter_lib.pld_candidates(tokens, jnp.asarray([12]), 4, max_ngram=3)
+  out, ok = propose_lib.pld_candidates(tokens, jnp.asarray([12]), 4, max_ngram=3)
   assert out.tolist() == [[4, 5, 7, 2]] and ok.tolist() == [[True] * 4]
   # Suffix "7 2 3" as a 3-gram never occurred before; "2 3" did -> the 2-gram wins.
   tokens = jnp.asarray([[1, 2, 3, 8, 6, 6, 7, 2, 3, 0]])
-  out, ok = drafter_lib.pld_candidates(tokens, jnp.asarray([9]), 4, max_ngram=3)
+  out, ok = propose_lib.pld_candidates(tokens, jnp.asarray([9]), 4, max_ngram=3)
   assert out[0, :4].tolist() == [8, 6, 6, 7] and ok.tolist() == [[True] * 4]
   # No match at all.
-  out, ok = drafter_lib.pld_candidates(jnp.asarray([[4, 5, 6, 7]]), jnp.asarray([4]), 2, 2)
+  out, ok = propose_lib.pld_candidates(jnp.asarray([[4, 5, 6, 7]]), jnp.asarray([4]), 2, 2)
   assert ok.tolist() == [[False, False]]
   # A continuation that reaches the known tokens' end repeats the span it covered: 4 (5 4) 5 4.
-  out, ok = drafter_lib.pld_candidates(jnp.asarray([[4, 5, 4, 0]]), jnp.asarray([3]), 3, 2)
+  out, ok = propose_lib.pld_candidates(jnp.asarray([[4, 5, 4, 0]]), jnp.asarray([3]), 3, 2)
   assert out.tolist() == [[5, 4, 5]] and ok.tolist() == [[True] * 3]
-  out, ok = drafter_lib.pld_candidates(jnp.asarray([[7, 1, 1, 1, 0]]), jnp.asarray([4]), 4, 3)
+  out, ok = propose_lib.pld_candidates(jnp.asarray([[7, 1, 1, 1, 0]]), jnp.asarray([4]), 4, 3)
   assert out.tolist() == [[1] * 4] and ok.tolist() == [[True] * 4]
   # min_ngram: a lone repeated token is no match when pairs are asked for.
-  out, ok = drafter_lib.pld_candidates(jnp.asarray([[4, 5, 4, 0]]), jnp.asarray([3]), 3, 3, 2)
+  out, ok = propose_lib.pld_candidates(jnp.asarray([[4, 5, 4, 0]]), jnp.asarray([3]), 3, 3, 2)
   assert ok.tolist() == [[False] * 3]
 
 
 def test_bad_input_is_one_clear_error(target):
-  tokens, lengths = padded(PROMPTS)
-  pspec = drafter_for("pspec", target, num_draft=3)
+  tokens, lengths = testing.padded(testing.PROMPTS)
+  pspec = testing.drafter_for("pspec", target, num_draft=3)
   with pytest.raises(ValueError, match="unknown tree 'bushy'"):
     decode.generate(
       target, tokens, lengths, jax.random.key(0), decode.DecodeConfig(tree="bushy"), pspec
@@ -383,7 +385,7 @@ def test_bad_input_is_one_clear_error(target):
   with pytest.raises(ValueError, match="tree depth 3 = 35 does not fit the cache of 34"):
     cfg = decode.DecodeConfig(max_new_tokens=16, max_len=34)
     decode.generate(target, tokens, lengths, jax.random.key(0), cfg, pspec)
-  other = make_target(1.0, cfg=TINY.replace(name="other", vocab_size=24))
+  other = testing.make_target(1.0, cfg=testing.TINY.replace(name="other", vocab_size=24))
   with pytest.raises(ValueError, match="built for target 'tiny'"):
     decode.generate(other, tokens, lengths, jax.random.key(0), decode.DecodeConfig(), pspec)
 
@@ -391,9 +393,9 @@ def test_bad_input_is_one_clear_error(target):
 def test_generate_under_a_users_jit_with_batch_sharded_inputs(target):
   mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
   rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-  tokens, lengths = padded(PROMPTS)
+  tokens, lengths = testing.padded(testing.PROMPTS)
   cfg = decode.DecodeConfig(max_new_tokens=12, tree="sparse8")
-  drafter = drafter_for("medusa", target)
+  drafter = testing.drafter_for("medusa", target)
   fn = jax.jit(lambda t, d, x, n: decode.generate(t, x, n, jax.random.key(0), cfg, d).tokens)
   sharded = fn(target, drafter, jax.device_put(tokens, rows), jax.device_put(lengths, rows))
   plain = decode.generate(target, tokens, lengths, jax.random.key(0), cfg)
@@ -408,30 +410,32 @@ def test_generate_under_a_users_jit_with_batch_sharded_inputs(target):
   "tree", ["paths:0+lookup:4", "sparse8+lookup:2", "dynamic:6+lookup:3", "lookup:3"]
 )
 def test_lookup_chains_stay_lossless_and_are_accepted(target, kind, tree):
-  drafter = drafter_for(kind, target)
+  drafter = testing.drafter_for(kind, target)
   cfg, _, spec = assert_greedy_lossless(target, drafter, tree)
-  pool = decode.pool_tree(cfg, drafter)
-  assert spec.accepted_per_depth.shape == (len(PROMPTS), pool.max_depth)
+  pool = decode.resolve_tree(cfg, drafter)
+  assert spec.accepted_per_depth.shape == (len(testing.PROMPTS), pool.max_depth)
   if pool.lookup > pool.depth:  # only a lookup chain reaches below the drafted tree
     assert spec.accepted_per_depth[:, pool.depth :].sum() > 0
 
 
 def test_a_round_without_a_lookup_match_verifies_the_drafted_tree_alone(target):
   # No pair of tokens repeats (the bonus follows 9, which occurs once): the drafted-only branch.
-  tokens, lengths = padded([[5, 6, 7, 8, 9]], width=8)
-  cfg = decode.DecodeConfig(max_new_tokens=1, tree="paths:0+lookup:3")
-  drafter = drafter_for("pspec", target).with_head(target)
-  state = decode.init(target, tokens, lengths, jax.random.key(0), cfg, drafter)
-  verified = decode.verify(target, state, cfg, drafter)
-  drafted = decode.verify(target, state, decode.DecodeConfig(tree="paths:0"), drafter)
+  tokens, lengths = testing.padded([[5, 6, 7, 8, 9]], width=8)
+  drafter = testing.drafter_for("pspec", target).with_head(target)
+  plan = _plan(decode.DecodeConfig(max_new_tokens=1, tree="paths:0+lookup:3"), drafter)
+  state = decode.init(plan, target, drafter, tokens, lengths, jax.random.key(0))
+  verified = decode.verify(plan, target, drafter, state)
+  drafted = decode.verify(
+    _plan(decode.DecodeConfig(tree="paths:0"), drafter), target, drafter, state
+  )
   np.testing.assert_array_equal(verified.tree.children[0, 0], [-1, 1])  # chain cut at the root
   np.testing.assert_allclose(verified.logits[:, :2], drafted.logits, rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(verified.logits[:, 2:], 0)  # the chain's nodes never ran
   # One repeated pair (8 9 ... 8 9) and the chain runs: its first node is what followed 8 9.
-  tokens, lengths = padded([[5, 8, 9, 4, 6, 8]], width=8)
-  state = decode.init(target, tokens, lengths, jax.random.key(0), cfg, drafter)
+  tokens, lengths = testing.padded([[5, 8, 9, 4, 6, 8]], width=8)
+  state = decode.init(plan, target, drafter, tokens, lengths, jax.random.key(0))
   state = state.replace(tokens=state.tokens.at[0, 6].set(9))  # the bonus completes "8 9"
-  verified = decode.verify(target, state, cfg, drafter)
+  verified = decode.verify(plan, target, drafter, state)
   assert verified.node_tokens[0, 2:].tolist() == [4, 6, 8]
   np.testing.assert_array_equal(verified.tree.children[0, 0], [2, 1])
   assert np.abs(np.asarray(verified.logits[:, 2:])).sum() > 0
@@ -440,36 +444,80 @@ def test_a_round_without_a_lookup_match_verifies_the_drafted_tree_alone(target):
 # --- gated trees -------------------------------------------------------------------------------
 
 
+def gate_cuts(target, drafter, cfg):
+  """Per round of greedy decoding of PROMPTS: [B] masks of the active sequences, of those whose
+  gate cut some of their drafted nodes, and of those whose gate cut all of them."""
+  tokens, lengths = testing.padded(testing.PROMPTS)
+  plan = decode.make_plan(cfg, drafter, tokens.shape[1])
+  pool = plan.tree
+  state = decode.init(plan, target, drafter, tokens, lengths, jax.random.key(0))
+  rounds = []
+  while not bool(state.done.all()):
+    node_logp = state.node_logp
+    if pool.budget:
+      kept, tree = tree_lib.select_dynamic(pool, node_logp)
+      node_logp = jnp.take_along_axis(node_logp, kept, axis=1)
+    else:
+      tree = tree_lib.batched(pool, node_logp.shape[0])
+    links = np.asarray((tree.children >= 0).sum((1, 2)))
+    gated = tree_lib.gated(tree, node_logp, pool.min_prob)
+    left = np.asarray((gated.children >= 0).sum((1, 2)))
+    active = ~np.asarray(state.done)
+    rounds.append((active, active & (left < links), active & (left == 0)))
+    state = decode.round_step(plan, target, drafter, state)
+  return rounds
+
+
 @pytest.mark.parametrize("kind", ["pspec", "eagle", "medusa"])
 @pytest.mark.parametrize(
-  # These random drafters' depth-1 confidence spreads around 0.076: rounds gate some sequences'
-  # drafts, all of them, or none.
-  "tree",
-  ["sparse8+min:0.076", "paths:0/1/0.0+min:0.076+lookup:3", "dynamic:6+min:0.0055"],
+  # These random drafters' depth-1 confidence spreads around 0.076: the first gate cuts some
+  # sequences' drafts in a round, the second all of them in some rounds (the pass then runs
+  # without the drafted nodes), the third none.
+  "tree,cuts",
+  [
+    ("sparse8+min:0.076", "some"),
+    ("paths:0/1/0.0+min:0.076+lookup:3", "all"),
+    ("dynamic:6+min:0.0055", "none"),
+  ],
 )
-def test_gated_trees_stay_lossless(target, kind, tree):
-  assert_greedy_lossless(target, drafter_for(kind, target), tree)
+def test_gated_trees_stay_lossless(target, kind, tree, cuts):
+  drafter = testing.drafter_for(kind, target)
+  cfg, _, _ = assert_greedy_lossless(target, drafter, tree)
+  rounds = gate_cuts(target, drafter.with_head(target), cfg)
+  if cuts == "some":  # a round where some active sequences lose all their drafts, not all
+    assert any(all_cut.any() and (all_cut != active).any() for active, _, all_cut in rounds)
+  elif cuts == "all":  # a round where every active sequence loses all its drafts
+    assert any((all_cut == active).all() for active, _, all_cut in rounds)
+  else:
+    assert not any(cut.any() for _, cut, _ in rounds)
 
 
 def test_a_gated_round_leaves_unlikely_drafts_out_of_the_pass(target):
   # No pair of tokens repeats, so no lookup chain: only the gate decides.
-  tokens, lengths = padded([[5, 6, 7, 8, 9]], width=8)
-  cfg = decode.DecodeConfig(max_new_tokens=1, tree="paths:0/1/0.0+min:0.3+lookup:3")
-  drafter = drafter_for("pspec", target).with_head(target)
-  state = decode.init(target, tokens, lengths, jax.random.key(0), cfg, drafter)
-  ungated = decode.verify(target, state, decode.DecodeConfig(tree="paths:0/1/0.0"), drafter)
+  tokens, lengths = testing.padded([[5, 6, 7, 8, 9]], width=8)
+  drafter = testing.drafter_for("pspec", target).with_head(target)
+  plan = _plan(
+    decode.DecodeConfig(max_new_tokens=1, tree="paths:0/1/0.0+min:0.3+lookup:3"), drafter
+  )
+  state = decode.init(plan, target, drafter, tokens, lengths, jax.random.key(0))
+  ungated_plan = _plan(decode.DecodeConfig(tree="paths:0/1/0.0"), drafter)
+  ungated = decode.verify(ungated_plan, target, drafter, state)
   # Nodes (0,), (1,), (0, 0): confidences 0.6, 0.2 and 0.6 * 0.4 = 0.24; the gate keeps (0,).
   sure = state.replace(node_logp=jnp.log(jnp.asarray([[1.0, 0.6, 0.2, 0.4]])))
-  verified = decode.verify(target, sure, cfg, drafter)
+  verified = decode.verify(plan, target, drafter, sure)
   np.testing.assert_array_equal(verified.tree.children[0, 0], [-1, 1, -1])  # no chain, no (1,)
   np.testing.assert_array_equal(verified.tree.children[0, 1], [-1, -1, -1])  # no (0, 0)
   np.testing.assert_allclose(verified.logits[:, :4], ungated.logits, rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(verified.logits[:, 4:], 0)  # the chain's nodes never ran
   # Every draft below 0.3: the pass runs the root alone, and the round keeps one token.
   unsure = state.replace(node_logp=jnp.log(jnp.asarray([[1.0, 0.25, 0.2, 0.9]])))
-  verified = decode.verify(target, unsure, cfg, drafter)
+  verified = decode.verify(plan, target, drafter, unsure)
   assert (np.asarray(verified.tree.children[0, 0]) == -1).all()
   np.testing.assert_allclose(verified.logits[:, 0], ungated.logits[:, 0], rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(verified.logits[:, 1:], 0)
-  _, num_accepted, _ = decode.accept_path(unsure, verified, cfg, drafter)
+  _, num_accepted, _ = decode.accept_path(plan, unsure, verified)
   assert num_accepted.tolist() == [0]
+
+
+def _plan(cfg, drafter, width=8):
+  return decode.make_plan(cfg, drafter, width)

@@ -6,22 +6,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_models import TINY, make_target
 
 from pspec_jax import drafter as drafter_lib
-from pspec_jax import losses, sharding
+from pspec_jax import losses, sharding, testing
 from train import step as step_lib
 
 
 def _batch(batch=8, length=16):
-  tokens = jax.random.randint(jax.random.key(5), (batch, length), 0, TINY.vocab_size)
+  tokens = jax.random.randint(jax.random.key(5), (batch, length), 0, testing.TINY.vocab_size)
   loss_mask = jnp.arange(length)[None, :] >= jnp.arange(batch)[:, None] % 5 + 2
   segments = jnp.where(jnp.arange(length) < length // 2, 1, 2) * jnp.ones((batch, 1), jnp.int32)
   return {"tokens": tokens.astype(jnp.int32), "loss_mask": loss_mask, "segments": segments}
 
 
 def _one_step(kind, mesh):
-  target = make_target(3.0).with_scan_layers(True)
+  target = testing.make_target(3.0).with_scan_layers(True)
   drafter = drafter_lib.random_drafter(kind, target, jax.random.key(0), num_draft=3)
   cfg = step_lib.StepConfig(
     target=target.cfg,
@@ -65,7 +64,7 @@ def test_sharded_step_equals_one_device(kind):
 
 
 def test_microbatches_average_the_parts():
-  target = make_target(3.0).with_scan_layers(True)
+  target = testing.make_target(3.0).with_scan_layers(True)
   drafter = drafter_lib.random_drafter("medusa", target, jax.random.key(0), num_draft=3)
 
   def config(microbatches):
@@ -99,7 +98,7 @@ def test_precomputed_target_features_give_the_same_step(kind, tmp_path):
   from pspec_jax import data
   from train import features
 
-  target = make_target(3.0).with_scan_layers(True)
+  target = testing.make_target(3.0).with_scan_layers(True)
   drafter = drafter_lib.random_drafter(kind, target, jax.random.key(0), num_draft=3)
   cfg = step_lib.StepConfig(
     target=target.cfg,
@@ -111,7 +110,7 @@ def test_precomputed_target_features_give_the_same_step(kind, tmp_path):
   assert step_lib.batch_keys(cached) == step_lib.BATCH_KEYS + ("features",)
   rows = data.TokenData(**{k: np.asarray(v) for k, v in _batch(batch=5).items()})
   stored = features.target_features(rows, target, str(tmp_path), batch_size=2)  # wraps
-  assert stored.shape == (5, 16, TINY.hidden_size)
+  assert stored.shape == (5, 16, testing.TINY.hidden_size)
   again = features.target_features(rows, target, str(tmp_path))  # read back, not recomputed
   assert len(list(tmp_path.iterdir())) == 1 and np.array_equal(again, stored)
   batch = dataclasses.replace(rows, features=stored).batch(0, 4, seed=3)

@@ -2,9 +2,8 @@
 
 import pytest
 import tensorflow_datasets as tfds
-from data_test import CharTokenizer
 
-from pspec_jax import data
+from pspec_jax import data, testing
 
 CONVERSATIONS = [
   [("human", f"question {i}"), ("gpt", f"answer {i}"), ("human", "more?"), ("gpt", "no")]
@@ -53,8 +52,8 @@ def test_tfds_conversations_are_read_in_order(data_dir):
 
 def test_tfds_source_tokenises_and_caches(data_dir, tmp_path):
   kwargs = dict(seq_len=48, heldout_per_mille=0, cache_dir=str(tmp_path), tfds_data_dir=data_dir)
-  first = data.load_token_data("tfds:tiny_chat", CharTokenizer(), split="train", **kwargs)
-  again = data.load_token_data("tfds:tiny_chat", CharTokenizer(), split="train", **kwargs)
+  first = data.load_token_data("tfds:tiny_chat", testing.CharTokenizer(), split="train", **kwargs)
+  again = data.load_token_data("tfds:tiny_chat", testing.CharTokenizer(), split="train", **kwargs)
   assert len(first) == 6 and (first.tokens == again.tokens).all()
   row = first.tokens[0][first.loss_mask[0]]
   assert "".join(map(chr, row)).startswith("answer ")

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from pspec_jax import tree as tree_lib
+from pspec_jax import tree_specs
 from pspec_jax.tree import RANK_PRIOR, ROOT_ONLY, Tree
 
 # Irregular on purpose: ranks with gaps ((1,) is missing, (0, 3) has no (0, 1)), unequal depths,
@@ -60,7 +61,7 @@ def assert_arrays_equal(got, want):
 TREES = {
   "root_only": ROOT_ONLY,
   "chain4": tree_lib.chain(4),
-  "sparse16": tree_lib.parse("sparse16", 4),
+  "sparse16": tree_specs.parse("sparse16", 4),
   "irregular": Tree(paths=IRREGULAR_PATHS),
 }
 
@@ -159,21 +160,21 @@ def test_grow_edge_cases():
 
 @pytest.mark.parametrize("num_draft", [1, 3, 5])
 def test_parse_presets(num_draft):
-  chain = tree_lib.parse("chain", num_draft)
+  chain = tree_specs.parse("chain", num_draft)
   assert chain.paths == tuple((0,) * d for d in range(1, num_draft + 1))
   assert chain.num_verified == num_draft + 1 and chain.budget == 0
   for n in (2, 5, 9):
-    sparse = tree_lib.parse(f"sparse{n}", num_draft)
+    sparse = tree_specs.parse(f"sparse{n}", num_draft)
     assert sparse.num_nodes == n and sparse.num_verified == n and sparse.budget == 0
     assert sparse.depth <= num_draft
     assert sparse.paths == tuple(sorted_paths(tree_lib.grow(n, num_draft)))
-    dynamic = tree_lib.parse(f"dynamic:{n}", num_draft)
+    dynamic = tree_specs.parse(f"dynamic:{n}", num_draft)
     assert dynamic.budget == n and dynamic.num_verified == n
     # The pool has 4N nodes, or every path there is when fewer exist (8 ranks per level).
     all_paths = sum(8**d for d in range(1, num_draft + 1))
     assert dynamic.num_nodes == min(4 * n, 1 + all_paths) and dynamic.depth <= num_draft
     assert dynamic.paths == tuple(sorted_paths(tree_lib.grow(4 * n, num_draft)))
-  assert tree_lib.parse("sparse16", 4).depth == 4
+  assert tree_specs.parse("sparse16", 4).depth == 4
 
 
 @pytest.mark.parametrize(
@@ -181,16 +182,16 @@ def test_parse_presets(num_draft):
 )
 def test_parse_rejects_unknown_presets(spec):
   with pytest.raises(ValueError, match="unknown tree"):
-    tree_lib.parse(spec, 4)
+    tree_specs.parse(spec, 4)
 
 
-@pytest.mark.parametrize("paths", [IRREGULAR_PATHS, ((0,),), tree_lib.parse("sparse16", 4).paths])
+@pytest.mark.parametrize("paths", [IRREGULAR_PATHS, ((0,),), tree_specs.parse("sparse16", 4).paths])
 def test_explicit_spelling_reads_back(paths):
   tree = Tree(paths=paths)
   spec = tree.spec
   assert spec.startswith("paths:") and "," not in spec  # fits a comma-separated list
-  assert tree_lib.parse(spec, 4) == tree
-  assert tree_lib.parse("paths:0/0.0/1", 2).paths == ((0,), (1,), (0, 0))
+  assert tree_specs.parse(spec, 4) == tree
+  assert tree_specs.parse("paths:0/0.0/1", 2).paths == ((0,), (1,), (0, 0))
 
 
 @pytest.mark.parametrize(
@@ -206,12 +207,12 @@ def test_explicit_spelling_reads_back(paths):
 )
 def test_explicit_spelling_errors(spec, message):
   with pytest.raises(ValueError, match=message):
-    tree_lib.parse(spec, 2)
+    tree_specs.parse(spec, 2)
 
 
 def test_a_dynamic_tree_has_no_explicit_spelling():
   with pytest.raises(ValueError, match="dynamic tree"):
-    _ = tree_lib.parse("dynamic:4", 4).spec
+    _ = tree_specs.parse("dynamic:4", 4).spec
 
 
 def reference_best(rates, num_nodes):
@@ -248,7 +249,7 @@ def test_best_tree_has_the_most_expected_tokens(seed):
 
 def test_parse_rejects_bad_num_draft():
   with pytest.raises(ValueError, match="num_draft"):
-    tree_lib.parse("chain", 0)
+    tree_specs.parse("chain", 0)
 
 
 def reference_select(pool, logp_M):
@@ -279,8 +280,8 @@ def check_selection(pool, kept_BM, arrays):
 
 
 POOLS = {
-  "dynamic:8/K3": tree_lib.parse("dynamic:8", 3),
-  "dynamic:6/K4": tree_lib.parse("dynamic:6", 4),
+  "dynamic:8/K3": tree_specs.parse("dynamic:8", 3),
+  "dynamic:6/K4": tree_specs.parse("dynamic:6", 4),
   "irregular/6": Tree(paths=IRREGULAR_PATHS, budget=6),
   "irregular/1": Tree(paths=IRREGULAR_PATHS, budget=1),
   "irregular/12": Tree(paths=IRREGULAR_PATHS, budget=12),
@@ -303,7 +304,7 @@ def test_select_dynamic_keeps_the_most_confident_nodes(name):
 
 
 def test_select_dynamic_drops_impossible_candidates_first():
-  pool = tree_lib.parse("dynamic:8", 3)  # 32 nodes, 8 kept
+  pool = tree_specs.parse("dynamic:8", 3)  # 32 nodes, 8 kept
   nodes = [(), *pool.paths]
   rng = np.random.default_rng(1)
   logp_BM = -rng.exponential(1.0, (3, pool.num_nodes)).astype(np.float32)
@@ -337,9 +338,9 @@ def test_select_dynamic_drops_impossible_candidates_first():
 
 def test_parse_rejects_trees_that_k_cannot_hold():
   with pytest.raises(ValueError, match="needs more than the 9 nodes that K=1 allows"):
-    tree_lib.parse("sparse16", 1)
+    tree_specs.parse("sparse16", 1)
   with pytest.raises(ValueError, match="needs more than the 9 nodes that K=1 allows"):
-    tree_lib.parse("dynamic:16", 1)
+    tree_specs.parse("dynamic:16", 1)
   with pytest.raises(ValueError, match="max_rank"):
     tree_lib.grow(5, 2, max_rank=0)
 
@@ -349,22 +350,22 @@ def test_parse_rejects_trees_that_k_cannot_hold():
 
 @pytest.mark.parametrize("spec", ["chain", "sparse8", "paths:0/1/0.0", "dynamic:6"])
 def test_lookup_suffix_adds_a_chain_to_any_tree(spec):
-  base = tree_lib.parse(spec, 3)
-  tree = tree_lib.parse(f"{spec}+lookup:5", 3)
+  base = tree_specs.parse(spec, 3)
+  tree = tree_specs.parse(f"{spec}+lookup:5", 3)
   assert tree.paths == base.paths and tree.budget == base.budget and tree.lookup == 5
   assert tree.num_verified == base.num_verified + 5
   assert tree.depth == base.depth and tree.max_depth == 5  # the drafter still proposes depth
-  assert tree_lib.parse(f"{spec}+lookup:1", 3).max_depth == base.depth
+  assert tree_specs.parse(f"{spec}+lookup:1", 3).max_depth == base.depth
   if not tree.budget:
-    assert tree_lib.parse(tree.spec, 3) == tree  # the spelling reads back, lookup included
+    assert tree_specs.parse(tree.spec, 3) == tree  # the spelling reads back, lookup included
 
 
 def test_lookup_alone_has_no_drafted_nodes():
-  alone = tree_lib.parse("lookup:5", 3)
+  alone = tree_specs.parse("lookup:5", 3)
   assert alone == Tree(paths=(), lookup=5) and alone.num_verified == 6
   assert alone.depth == 0 and alone.max_depth == 5 and alone.spec == "lookup:5"
-  assert tree_lib.parse(alone.spec, 3) == alone
-  assert tree_lib.parse("lookup", 3) == Tree(paths=(), lookup=3)  # L = K
+  assert tree_specs.parse(alone.spec, 3) == alone
+  assert tree_specs.parse("lookup", 3) == Tree(paths=(), lookup=3)  # L = K
 
 
 @pytest.mark.parametrize(
@@ -383,7 +384,7 @@ def test_lookup_alone_has_no_drafted_nodes():
 )
 def test_bad_lookup_suffixes_raise(spec):
   with pytest.raises(ValueError, match="lookup|unknown tree"):
-    tree_lib.parse(spec, 3)
+    tree_specs.parse(spec, 3)
 
 
 def reference_with_lookup(tree: Tree, ok):
@@ -428,15 +429,15 @@ def test_with_lookup_matches_reference():
 
 @pytest.mark.parametrize("spec", ["chain", "sparse8", "paths:0/1/0.0", "dynamic:6"])
 def test_min_suffix_gates_any_drafted_tree(spec):
-  base = tree_lib.parse(spec, 3)
-  tree = tree_lib.parse(f"{spec}+min:0.25+lookup:4", 3)
+  base = tree_specs.parse(spec, 3)
+  tree = tree_specs.parse(f"{spec}+min:0.25+lookup:4", 3)
   assert tree.paths == base.paths and tree.budget == base.budget
   assert tree.min_prob == 0.25 and tree.lookup == 4
   assert tree.num_verified == base.num_verified + 4  # the gate adds no nodes
   if not base.budget:
     assert tree.spec == f"{base.spec}+min:0.25+lookup:4"
-    assert tree_lib.parse(tree.spec, 3) == tree  # the spelling reads back, gate included
-  assert tree_lib.parse(f"{spec}+min:.05", 3).min_prob == 0.05
+    assert tree_specs.parse(tree.spec, 3) == tree  # the spelling reads back, gate included
+  assert tree_specs.parse(f"{spec}+min:.05", 3).min_prob == 0.05
 
 
 @pytest.mark.parametrize(
@@ -458,7 +459,7 @@ def test_min_suffix_gates_any_drafted_tree(spec):
 )
 def test_bad_gates_raise(spec):
   with pytest.raises(ValueError, match="gate|lookup|unknown tree"):
-    tree_lib.parse(spec, 3)
+    tree_specs.parse(spec, 3)
 
 
 def test_gated_cuts_the_nodes_below_the_confidence_reference():

@@ -9,17 +9,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import transformers
-from tiny_models import PROMPTS, drafter_for, make_target, padded
 
 from infer import tune_tree
-from pspec_jax import decode, drafter_files
-from pspec_jax import drafter as drafter_lib
+from pspec_jax import decode, drafter_files, testing, tree_specs
+from pspec_jax import propose as propose_lib
 from pspec_jax import tree as tree_lib
 
 
 @pytest.fixture(scope="module")
 def target():
-  return make_target(5.0)
+  return testing.make_target(5.0)
 
 
 def flawed_oracle(reference_BW):
@@ -34,7 +33,7 @@ def flawed_oracle(reference_BW):
     flawed = (index * 7 + jnp.arange(pool.depth) * 3) % 5 == 0
     candidates = jnp.stack([jnp.where(flawed, wrong, right), jnp.where(flawed, right, wrong)], -1)
     logp = jnp.log(jnp.asarray([0.7, 0.3]))
-    return cache, drafter_lib._nodes_from_candidates(candidates, logp + 0 * candidates, pool)
+    return cache, propose_lib._nodes_from_candidates(candidates, logp + 0 * candidates, pool)
 
   return propose
 
@@ -43,18 +42,18 @@ def flawed_oracle(reference_BW):
 def test_acceptance_rates_count_what_decoding_accepts(target, monkeypatch, pool):
   # EOS 3 and the budget cut some rounds short: both are counted as decoding counts them.
   cfg = decode.DecodeConfig(max_new_tokens=24, eos_ids=(3,), tree=pool)
-  reference = decode.generate(target, *padded(PROMPTS), jax.random.key(0), cfg)
-  full = np.zeros((len(PROMPTS), 64), np.int32)
-  for row, prompt in enumerate(PROMPTS):
+  reference = decode.generate(target, *testing.padded(testing.PROMPTS), jax.random.key(0), cfg)
+  full = np.zeros((len(testing.PROMPTS), 64), np.int32)
+  for row, prompt in enumerate(testing.PROMPTS):
     full[row, : len(prompt)] = prompt
     full[row, len(prompt) : len(prompt) + 24] = reference.tokens[row]
-  monkeypatch.setitem(drafter_lib.PROPOSERS, "pld", flawed_oracle(jnp.asarray(full)))
+  monkeypatch.setitem(propose_lib.PROPOSERS, "pld", flawed_oracle(jnp.asarray(full)))
   jax.clear_caches()  # jitted decoding traced by earlier tests holds the real pld proposer
-  drafter = drafter_for("pld", target)
-  rates, rounds = tune_tree.acceptance_rates(target, drafter, PROMPTS, cfg, batch_size=4)
-  out = decode.generate(target, *padded(PROMPTS), jax.random.key(0), cfg, drafter)
+  drafter = testing.drafter_for("pld", target)
+  rates, rounds = tune_tree.acceptance_rates(target, drafter, testing.PROMPTS, cfg, batch_size=4)
+  out = decode.generate(target, *testing.padded(testing.PROMPTS), jax.random.key(0), cfg, drafter)
   assert rounds == int(out.rounds.sum())
-  tree = tree_lib.parse(pool, 4)
+  tree = tree_specs.parse(pool, 4)
   assert set(rates) == set(tree.paths)
   per_depth = [sum(r for p, r in rates.items() if len(p) == d) for d in range(1, tree.depth + 1)]
   np.testing.assert_allclose(np.asarray(per_depth) * rounds, out.accepted_per_depth.sum(0))
@@ -65,11 +64,11 @@ def test_acceptance_rates_count_what_decoding_accepts(target, monkeypatch, pool)
 
 
 def test_tune_reports_plain_decoding_and_the_best_tree_of_each_size(target):
-  drafter = drafter_for("pspec", target)
+  drafter = testing.drafter_for("pspec", target)
   rows, rounds = tune_tree.tune(
     target,
     drafter,
-    PROMPTS[:2],
+    testing.PROMPTS[:2],
     pool_nodes=12,
     sizes=[2, 2, 40],
     max_new_tokens=16,
@@ -81,7 +80,7 @@ def test_tune_reports_plain_decoding_and_the_best_tree_of_each_size(target):
   assert [r["nodes"] for r in rows] == [1, 2, 12]  # once each; 40 is capped at the pool
   assert rows[0]["tree"] == "" and rows[0]["speedup"] == 1.0
   for r in rows[1:]:
-    tree = tree_lib.parse(r["tree"], 4)
+    tree = tree_specs.parse(r["tree"], 4)
     assert tree.num_nodes == r["nodes"]
     assert r["ms"] > 0
     np.testing.assert_allclose(r["speedup"], r["tokens_per_round"] * rows[0]["ms"] / r["ms"])
@@ -99,15 +98,15 @@ def test_stage_three_tries_the_tree_alone_chained_gated_and_the_chain_alone():
   ]
   assert tune_tree.tree_candidates("paths:0", [0.2], 0) == ["paths:0", "paths:0+min:0.2"]
   for spec in tune_tree.tree_candidates("paths:0/1", [0.1, 0.25], 6):
-    tree_lib.parse(spec, 4)
+    tree_specs.parse(spec, 4)
 
 
 def test_end_to_end_times_every_tree_at_every_temperature_and_picks_the_fastest(target):
   trees = tune_tree.tree_candidates("paths:0", [0.5], 2)
   rows, best = tune_tree.tune_end_to_end(
     target,
-    drafter_for("pspec", target),
-    PROMPTS[:2],
+    testing.drafter_for("pspec", target),
+    testing.PROMPTS[:2],
     trees,
     temperatures=[0.0, 1.0],
     max_new_tokens=8,
@@ -128,19 +127,19 @@ def test_end_to_end_times_every_tree_at_every_temperature_and_picks_the_fastest(
 
 
 def test_write_stores_the_choices_as_the_drafters_trees(target, tmp_path):
-  drafter_files.save_drafter(str(tmp_path), drafter_for("pspec", target))
+  drafter_files.save_drafter(str(tmp_path), testing.drafter_for("pspec", target))
   tune_tree.write_trees(str(tmp_path), {0.0: "paths:0+min:0.2+lookup:6", 1.0: "lookup:6"}, "cpu")
   loaded = drafter_files.load_drafter(str(tmp_path), target)
   assert loaded.cfg.tree == "paths:0+min:0.2+lookup:6"
   assert loaded.cfg.sampling_tree == "lookup:6"
-  assert decode.pool_tree(decode.DecodeConfig(), loaded).lookup == 6
+  assert decode.resolve_tree(decode.DecodeConfig(), loaded).lookup == 6
   # Trees timed on one kind of device are that device's: another keeps the file's own.
   tune_tree.write_trees(str(tmp_path), {0.0: "sparse8"}, "gpu")
   on_gpu = drafter_files.read_drafter_config(str(tmp_path), target.cfg, "gpu")
   assert (on_gpu.tree, on_gpu.sampling_tree) == ("sparse8", "")
   assert drafter_files.load_drafter(str(tmp_path), target).cfg.tree == "paths:0+min:0.2+lookup:6"
   on_tpu = drafter_files.read_drafter_config(str(tmp_path), target.cfg, "tpu")
-  assert on_tpu.tree == drafter_for("pspec", target).cfg.tree
+  assert on_tpu.tree == testing.drafter_for("pspec", target).cfg.tree
 
 
 def test_write_without_a_drafter_directory_fails_before_loading_the_target(tmp_path):

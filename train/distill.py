@@ -1,4 +1,4 @@
-r"""Train a drafter by distillation from its frozen target (DESIGN.md section 4).
+r"""Train a drafter by distillation from its frozen target (docs/design.md section 4).
 
   python -m train.distill --config=configs/smollm2_135m.py --workdir=workdirs/smollm2_pspec
   python -m train.distill --config=configs/llama2_13b.py --workdir=gs://bucket/run
@@ -85,7 +85,6 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
   import jax
   import numpy as np
   import orbax.checkpoint as ocp
-  import transformers
   from jax.experimental import multihost_utils
   from tqdm import tqdm
 
@@ -95,7 +94,6 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
   from train import build, features, metrics_log, resume
   from train import step as step_lib
 
-  transformers.logging.set_verbosity_error()
   cfg = step_config(config)
   build.check_target_exists(config)
   if config.distributed:

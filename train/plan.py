@@ -12,9 +12,9 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
-from configs.common import not_this_host
 from pspec_jax import drafter as drafter_lib
 from pspec_jax import llama, sharding
+from pspec_jax.presets import not_this_host
 from train.step import StepConfig, abstract_batch, jit_init, jit_train_step, placement
 
 GIB = 1024**3

@@ -122,13 +122,12 @@ def _answerer(config, tokenizer):
   shard `index` in batches, calling `progress(rows)` after each."""
   import jax
   import numpy as np
-  import transformers
 
-  from pspec_jax import checkpoints, data, decode, drafter_files, sharding
+  from pspec_jax import checkpoints, decode, drafter_files, sharding
+  from pspec_jax import prompts as prompts_lib
   from pspec_jax.sampling import SamplingConfig
   from train import build
 
-  transformers.logging.set_verbosity_error()
   s = config.selfdistill
   # Plain weights: with 32 rows per matmul the CPU's panel layout is slower (it pays from one
   # row to a few, the verification of a small tree).
@@ -165,7 +164,7 @@ def _answerer(config, tokenizer):
     by_length = sorted(range(len(shard)), key=lambda i: len(shard[i][2]))
     for start in range(0, len(shard), s.batch_size):
       rows = by_length[start : start + s.batch_size]
-      tokens, lengths = data.pad_batch(
+      tokens, lengths = prompts_lib.pad_batch(
         [shard[i][2] for i in rows], cfg.pad_id, max_width=s.max_prompt_tokens
       )
       tokens = np.pad(tokens, ((0, s.batch_size - len(rows)), (0, 0)), constant_values=cfg.pad_id)

@@ -1,0 +1,343 @@
+"""Measuring decoding: the methods as runners, one timer, and the interleaved measurement.
+
+Shared by the measuring programs (`infer.bench`, `infer.tune_tree`, `infer.profile_round`).
+Every time here comes from `timed`: wall-clock seconds of a call, waiting for its result on the
+device. A measurement compiles and warms up what it times first, and settings compared with
+each other take turns (prompt batch by prompt batch, or round by round), so machine noise hits
+them alike.
+"""
+
+import dataclasses
+import os
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from pspec_jax import checkpoints, decode
+from pspec_jax import prompts as prompts_lib
+from pspec_jax.sampling import SamplingConfig
+
+OUR_METHODS = ("none", "pld", "medusa", "eagle", "pspec")
+HF_METHODS = ("hf", "hf_pld")
+HF_PROMPT_LOOKUP_TOKENS = 10  # HF's suggested `prompt_lookup_num_tokens`
+
+
+def timed(fn, *args):
+  """(fn(*args), seconds), waiting for the result on the device."""
+  began = time.perf_counter()
+  out = jax.block_until_ready(fn(*args))
+  return out, time.perf_counter() - began
+
+
+def median_ms(fn, *args, repeats: int) -> float:
+  """Median ms of `repeats` calls of `fn(*args)`, after one call that compiles it."""
+  timed(fn, *args)
+  return 1e3 * statistics.median(timed(fn, *args)[1] for _ in range(repeats))
+
+
+def encode_prompts(
+  tokenizer, prompts, *, source: str, count: int, max_tokens: int | None = None
+) -> list[list[int]]:
+  """The first `count` of `prompts` of at most `max_tokens` tokens (None: any), encoded for
+  `tokenizer` (with its chat template when it has one). ValueError if none fits; `source`
+  names the prompts in it."""
+  chat = tokenizer.chat_template is not None
+  out = []
+  for prompt in prompts:
+    if len(out) == count:
+      break
+    ids = prompts_lib.encode_prompt(tokenizer, prompt, chat)
+    if max_tokens is None or len(ids) <= max_tokens:
+      out.append(ids)
+  if not out:
+    raise ValueError(f"{source} has no prompt of <= {max_tokens} tokens")
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+  """One row of the results: what is decoded, and how."""
+
+  method: str
+  dataset: str
+  temperature: float
+  batch_size: int
+  num_draft: int  # K as run (0 for none and hf)
+  tree: str  # tree as run ("" for none and hf)
+  drafts: str = ""  # at T > 0, how drafted nodes are chosen (DecodeConfig.drafts); "" if moot
+
+  @property
+  def baseline(self) -> "Setting":
+    return Setting("none", self.dataset, self.temperature, self.batch_size, 0, "")
+
+  def decode_config(self, *, max_new_tokens, eos_ids, pad_id, mesh=None):
+    """The `pspec_jax.decode.DecodeConfig` this setting decodes with."""
+    return decode.DecodeConfig(
+      max_new_tokens=max_new_tokens,
+      sampling=SamplingConfig(temperature=self.temperature),
+      eos_ids=eos_ids,
+      pad_id=pad_id,
+      num_draft=self.num_draft,
+      tree=self.tree,
+      mesh=mesh,
+      **({"drafts": self.drafts} if self.drafts else {}),
+    )
+
+
+@dataclasses.dataclass
+class Outcome:
+  """What one call decoded: per sequence tokens, and for our methods rounds and acceptance."""
+
+  tokens: list[list[int]]
+  rounds: list[int] | None = None
+  accepted: list[list[int]] | None = None
+  chosen: dict[str, int] | None = None  # an adaptive tree's rounds per candidate
+
+
+class OurMethod:
+  """`none`, `pld`, `medusa`, `eagle`, `pspec`: pspec_jax.decode.generate.
+
+  Prompts are padded to one `width` (0: their bucket), so a dataset compiles once.
+  """
+
+  def __init__(self, target, drafter, cfg, pad_id, width=0):
+    self.target, self.drafter, self.cfg, self.pad_id = target, drafter, cfg, pad_id
+    self.width = width
+
+  def __call__(self, batch: list[list[int]], key) -> Outcome:
+    tokens, lengths = prompts_lib.pad_batch(batch, self.pad_id)
+    if self.width > tokens.shape[1]:
+      tokens = np.pad(
+        tokens, ((0, 0), (0, self.width - tokens.shape[1])), constant_values=self.pad_id
+      )
+    out = jax.device_get(decode.generate(self.target, tokens, lengths, key, self.cfg, self.drafter))
+    chosen = None
+    if out.chosen is not None:
+      candidates = decode.resolve_tree(self.cfg, self.drafter).candidates
+      chosen = {c.spec: int(n) for c, n in zip(candidates, out.chosen, strict=True)}
+    return Outcome(
+      tokens=[np.asarray(out.tokens[b, : out.lengths[b]]).tolist() for b in range(len(batch))],
+      rounds=np.asarray(out.rounds).tolist(),
+      accepted=np.asarray(out.accepted_per_depth).tolist(),
+      chosen=chosen,
+    )
+
+
+class HFMethod:
+  """`hf` / `hf_pld`: HF transformers' `generate` (PyTorch) on the same weights, in the same
+  dtype, on a CUDA GPU when JAX runs on one, else on the CPU. In bfloat16 its rounding differs
+  from JAX's, so its outputs can differ from `none`'s without either being wrong.
+
+  torch is imported here, not with the module: it is an optional dependency (`.[test]`).
+  """
+
+  def __init__(self, spec, cfg, threads, prompt_lookup: bool, dtype: str = "float32"):
+    import torch
+    import transformers
+
+    transformers.logging.disable_progress_bar()  # its checkpoint-loading bar
+    torch.set_num_threads(threads)
+    self.device = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
+    source = checkpoints.resolve_target(spec)
+    if source.kind == "gguf":
+      directory, filename = os.path.split(source.path)
+      kwargs = dict(gguf_file=filename)
+    else:
+      directory, kwargs = source.path, {}
+    self.model = transformers.AutoModelForCausalLM.from_pretrained(
+      directory, dtype=getattr(torch, dtype), **kwargs
+    ).eval()
+    self.model.to(self.device)
+    self.cfg, self.prompt_lookup, self.torch = cfg, prompt_lookup, torch
+
+  def __call__(self, batch: list[list[int]], key) -> Outcome:
+    torch = self.torch
+    (ids,) = batch
+    sampling = self.cfg.sampling
+    torch.manual_seed(int(jax.random.randint(key, (), 0, 2**31 - 1)))
+    extra = dict(prompt_lookup_num_tokens=HF_PROMPT_LOOKUP_TOKENS) if self.prompt_lookup else {}
+    with torch.inference_mode():
+      out = self.model.generate(
+        torch.tensor([ids], device=self.device),
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=self.device),
+        max_new_tokens=self.cfg.max_new_tokens,
+        do_sample=not sampling.greedy,
+        temperature=sampling.temperature or None,
+        top_k=sampling.top_k or None,
+        top_p=sampling.top_p,
+        eos_token_id=list(self.cfg.eos_ids),
+        pad_token_id=self.cfg.eos_ids[0],
+        **extra,
+      )
+    return Outcome(tokens=[out[0, len(ids) :].tolist()])
+
+
+def measure(settings, runners, prompts, seed, time_split=None, progress=True) -> list[dict]:
+  """The result rows of `settings`, each decoded by `runners[setting]` over `prompts[dataset]`.
+
+  Settings are compared within a family (dataset, temperature, batch size), whose every
+  setting decodes the same prompt batches; one family is compiled and run at a time.
+  `time_split(setting)`, if given, adds a row's draft / verify / commit shares.
+  """
+  families = {}
+  for s in settings:
+    families.setdefault((s.dataset, s.temperature, s.batch_size), []).append(s)
+  records = {s: [] for s in settings}
+  shares = {}
+  for family in families.values():
+    ids, size = prompts[family[0].dataset], family[0].batch_size
+    family_batches = [ids[i : i + size] for i in range(0, len(ids), size)]
+    # Compile and warm up every setting (and a short last batch) before anything is timed.
+    for s in tqdm(family, desc="compile", file=sys.stderr, disable=not progress):
+      for batch in {len(b): b for b in family_batches}.values():
+        runners[s](batch, jax.random.key(seed))
+    # Interleaved: for each prompt batch, every setting in turn.
+    for index, batch in enumerate(
+      tqdm(family_batches, desc="prompts", file=sys.stderr, disable=not progress)
+    ):
+      key = jax.random.fold_in(jax.random.key(seed), index)
+      for s in family:
+        outcome, seconds = timed(runners[s], batch, key)
+        records[s].append((seconds, outcome))
+    if time_split is not None:
+      for s in tqdm(family, desc="time split", file=sys.stderr, disable=not progress):
+        shares[s] = time_split(s)
+    # A compiled program holds hundreds of memory mappings (its JIT-linked kernels); a sweep
+    # that kept every family's would run into the kernel's limit on them (vm.max_map_count).
+    jax.clear_caches()
+  return [_row(s, records, shares.get(s)) for s in settings]
+
+
+def _row(s: Setting, records: dict, shares: dict | None) -> dict:
+  runs = records[s]
+  seconds = sum(t for t, _ in runs)
+  seqs = [seq for _, o in runs for seq in o.tokens]
+  num_tokens = sum(len(seq) for seq in seqs)
+  tokens_per_s = num_tokens / seconds
+  base = records.get(s.baseline)
+  speedup = tau = accept = lossless = None
+  per_prompt_tau = []
+  if base is not None:
+    base_tokens = sum(len(q) for _, o in base for q in o.tokens)
+    speedup = tokens_per_s / (base_tokens / sum(t for t, _ in base))
+    if s.temperature == 0:
+      base_seqs = [seq for _, o in base for seq in o.tokens]
+      lossless = seqs == base_seqs
+  if runs[0][1].rounds is not None:
+    rounds = [r for _, o in runs for r in o.rounds]
+    accepted = [a for _, o in runs for a in o.accepted]
+    tau = sum(len(q) - 1 for q in seqs) / max(sum(rounds), 1)
+    per_prompt_tau = [(len(q) - 1) / max(r, 1) for q, r in zip(seqs, rounds, strict=True)]
+    depth = len(accepted[0])
+    accept = [sum(a[d] for a in accepted) / max(sum(rounds), 1) for d in range(depth)]
+  elif s.method == "hf":
+    tau, per_prompt_tau = 1.0, [1.0] * len(seqs)
+  chosen = None
+  if runs[0][1].chosen is not None:
+    chosen = {name: sum(o.chosen[name] for _, o in runs) for name in runs[0][1].chosen}
+  return dict(
+    method=s.method,
+    dataset=s.dataset,
+    temperature=s.temperature,
+    batch_size=s.batch_size,
+    num_draft=s.num_draft,
+    tree=s.tree,
+    drafts=s.drafts,
+    tokens_per_s=tokens_per_s,
+    speedup=speedup,
+    tau=tau,
+    accept_per_depth=accept,
+    draft_share=None if shares is None else shares["draft"],
+    verify_share=None if shares is None else shares["verify"],
+    commit_share=None if shares is None else shares["accept+commit"],
+    lossless=lossless,
+    num_prompts=len(seqs),
+    tokens=num_tokens,
+    seconds=seconds,
+    tau_per_prompt=per_prompt_tau,
+    chosen=chosen,
+  )
+
+
+def phase_split(target, drafter, prompts, cfg):
+  """Median ms per round of each phase over every round of every prompt (after warm-up), each
+  phase jitted on its own and timed from the host; and the rounds timed."""
+  if drafter is not None:
+    drafter = drafter.with_head(target)  # as `decode.generate` does, once per decode
+  times = {"draft": [], "verify": [], "accept+commit": []}
+  for warm_up in (True, False):
+    for ids in prompts[:1] if warm_up else prompts:
+      tokens, lengths = prompts_lib.pad_batch([ids])
+      plan = decode.make_plan(cfg, drafter, tokens.shape[1])
+      state = decode.init(plan, target, drafter, tokens, lengths, jax.random.key(0))
+      while not bool(state.done.all()):
+        verified, t_verify = timed(decode.verify, plan, target, drafter, state)
+        (state, pairs), t_commit = timed(decode.commit, plan, state, verified)
+        state, t_draft = timed(decode.draft, plan, target, drafter, state, pairs)
+        if not warm_up:
+          times["verify"].append(t_verify)
+          times["accept+commit"].append(t_commit)
+          times["draft"].append(t_draft)
+  return {k: 1e3 * statistics.median(v) for k, v in times.items()}, len(times["draft"])
+
+
+def phase_shares(target, drafter, batches, cfg) -> dict[str, float]:
+  """Shares of a round spent in draft / verify / accept+commit, run phase by phase."""
+  ms, _ = phase_split(target, drafter, batches, cfg)
+  total = sum(ms.values())
+  return {k: v / total for k, v in ms.items()}
+
+
+def read_bandwidth(num_bytes: int, repeats: int = 5) -> float:
+  """Bytes per second of a large streaming read on the default device: a jitted sum over a
+  float32 buffer of `num_bytes`, at least 256 MiB so no cache holds it and at most 1 GiB
+  (median of a few). The rate at which a decoding step could read its weights, each once; a
+  copy (read and write) gives less than this on a CPU, so a floor from it flatters a step."""
+  num_bytes = min(max(num_bytes, 1 << 28), 1 << 30)
+  buffer = jax.numpy.ones(num_bytes // 4, np.float32)
+  total = jax.jit(jax.numpy.sum)
+  jax.block_until_ready(total(buffer))  # warm-up (and compile)
+  return num_bytes / statistics.median(timed(total, buffer)[1] for _ in range(repeats))
+
+
+def round_seconds(target, drafter, ids, cfg, repeats=3) -> tuple[float, int]:
+  """Seconds per round of a whole decode, all its rounds in one jitted `while_loop`, and the
+  rounds: (decode of `cfg.max_new_tokens` tokens - decode of 1) / rounds, so prefill cancels.
+  Each decode's fastest of `repeats` runs, the one least disturbed by the machine.
+
+  EOS is disabled so every run decodes exactly that many tokens.
+  """
+  if cfg.max_new_tokens < 2:
+    raise ValueError(f"timing rounds needs max_new_tokens >= 2, got {cfg.max_new_tokens}")
+  key = jax.random.key(0)
+  cfg = dataclasses.replace(cfg, eos_ids=())
+  long_run = OurMethod(target, drafter, cfg, 0)
+  short_run = OurMethod(target, drafter, dataclasses.replace(cfg, max_new_tokens=1), 0)
+  rounds = long_run([ids], key).rounds[0]  # and compile
+  short_run([ids], key)
+  long_s, short_s = [], []
+  for _ in range(repeats):
+    for run, seconds in ((long_run, long_s), (short_run, short_s)):
+      seconds.append(timed(run, [ids], key)[1])
+  return (min(long_s) - min(short_s)) / rounds, rounds
+
+
+def step_profile(target, ids, cfg, steps=64) -> dict:
+  """`none`'s decode step against the memory-bandwidth floor: the time to read, once at the
+  measured streaming-read bandwidth (`read_bandwidth`), every weight a step reads. All but
+  the embedding table, of which it gathers a row, unless the table is the (tied) LM head too."""
+  weight_bytes = sum(x.nbytes for x in jax.tree.leaves(target.params))
+  if not target.cfg.tie_embeddings:
+    weight_bytes -= target.params["embedding"].nbytes
+  step, _ = round_seconds(target, None, ids, dataclasses.replace(cfg, max_new_tokens=steps + 1))
+  floor = weight_bytes / read_bandwidth(weight_bytes)
+  return dict(
+    weight_bytes=weight_bytes,
+    decode_step_ms=step * 1e3,
+    bandwidth_floor_ms=floor * 1e3,
+    step_over_floor=step / floor,
+  )

@@ -1,0 +1,192 @@
+"""Layers shared by the target and the drafters: rotary embeddings, attention over cache slots,
+parameters with logical axis names, dense weights in either storage layout (`panels.LAYOUTS`),
+stacked or per-layer parameters (`LlamaConfig.scan_layers`), and RMSNorm.
+
+`cfg` is a `llama.LlamaConfig` everywhere (the drafters pass their layer's config).
+"""
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pspec_jax import panels
+
+__all__ = [
+  "DENSE_AXES",
+  "RMSNorm",
+  "apply_rope",
+  "cache_scores",
+  "cache_values",
+  "dense",
+  "dense_param",
+  "param",
+  "relayout",
+  "rope_inv_freq",
+  "set_scan_layers",
+  "stack_layers",
+]
+
+
+def rope_inv_freq(cfg) -> np.ndarray:
+  """Inverse frequencies [H/2] in float32, as HF computes them (incl. Llama-3 scaling), for a
+  `llama.LlamaConfig`."""
+  h = cfg.head_dim
+  inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, h, 2, dtype=np.int64).astype(np.float32) / h))
+  inv_freq = inv_freq.astype(np.float32)
+  s = cfg.rope_scaling
+  if s is None:
+    return inv_freq
+  old_len = s.original_max_position_embeddings
+  low_freq_wavelen = old_len / s.low_freq_factor
+  high_freq_wavelen = old_len / s.high_freq_factor
+  wavelen = 2 * math.pi / inv_freq
+  scaled = np.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+  smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+  smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+  medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+  return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+  """Rotates q or k by position, HF "rotate half" layout. Angles in float32 for accuracy."""
+  freqs_BTh = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+  angles_BTH = jnp.concatenate([freqs_BTh, freqs_BTh], axis=-1)[..., None, :]
+  cos, sin = jnp.cos(angles_BTH), jnp.sin(angles_BTH)
+  x = x_BTNH.astype(jnp.float32)
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  return (x * cos + rotated * sin).astype(x_BTNH.dtype)
+
+
+def cache_scores(q_BTKGH, k_BSKH):
+  """q . k over cache slots: [B, T, K, G, S], reading the cache in its stored layout.
+
+  A dot with (B, K) as batch dimensions makes XLA transpose every layer's cache slice to
+  [B, K, S, H] first, a full copy per step that cost more than the weights at batch 8. Here
+  each query is spread over all K*H columns with zeros outside its own head (K times the
+  flops, nothing next to the weights at decode sizes), so the cache is read as a plain
+  [B, S, K*H] matrix.
+  """
+  b, t, k, g, h = q_BTKGH.shape
+  own = jnp.eye(k, dtype=q_BTKGH.dtype)
+  q_BQC = jnp.einsum("BTKGH,KJ->BTKGJH", q_BTKGH, own).reshape(b, t * k * g, k * h)
+  k_BSC = k_BSKH.reshape(b, k_BSKH.shape[1], k * h)
+  scores = jnp.einsum("BQC,BSC->BQS", q_BQC, k_BSC, preferred_element_type=jnp.float32)
+  return scores.reshape(b, t, k, g, -1)
+
+
+def cache_values(probs_BTKGS, v_BSKH):
+  """probs . v over cache slots: [B, T, K, G, H], the cache read as [B, S, K*H] (see above)."""
+  b, t, k, g, s = probs_BTKGS.shape
+  h = v_BSKH.shape[-1]
+  out = jnp.einsum(
+    "BQS,BSC->BQC", probs_BTKGS.reshape(b, t * k * g, s), v_BSKH.reshape(b, s, k * h)
+  )
+  own = jnp.eye(k, dtype=out.dtype)
+  return jnp.einsum("BTKGJH,KJ->BTKGH", out.reshape(b, t, k, g, k, h), own)
+
+
+def param(module, name, init, shape, axes, dtype):
+  """A parameter of `module` with the logical axis names `axes` (`sharding.RULES`)."""
+  return module.param(name, nn.with_logical_partitioning(init, axes), shape, dtype)
+
+
+# Every dense weight, by parameter name: the number of input and output axes of its plain
+# layout (leading axes, such as stacked layers, come before them).
+DENSE_AXES = {
+  "q": (1, 2),
+  "k": (1, 2),
+  "v": (1, 2),
+  "o": (2, 1),
+  "gate": (1, 1),
+  "up": (1, 1),
+  "down": (1, 1),
+  "lm_head": (1, 1),
+  "fuse": (1, 1),
+}
+
+
+def dense_param(module, name, in_shape, out_shape, axes, cfg):
+  """A dense weight declared in `cfg.weight_layout`: plain `in_shape + out_shape` with the
+  logical `axes`, or panels of the flattened [prod(in), prod(out)] matrix (never sharded)."""
+  init = nn.initializers.normal(0.02)
+  if cfg.weight_layout == "panels":
+    shape = panels.packed_shape(math.prod(in_shape), math.prod(out_shape))
+    return param(module, name, init, shape, (None, None, None), cfg.param_dtype)
+  return param(module, name, init, (*in_shape, *out_shape), axes, cfg.param_dtype)
+
+
+def dense(cfg, x_XK, w, n: int, preferred_element_type=None):
+  """x @ W in the compute dtype, for W in `cfg.weight_layout`: [..., K] -> [..., n].
+
+  The one matrix product of every layer, whatever the layout: plain weights are reshaped
+  (free for row-major arrays; a two-axis contraction made XLA:CPU copy the weight every step).
+  """
+  x = x_XK.astype(cfg.dtype)
+  w = w.astype(cfg.dtype)
+  if cfg.weight_layout == "panels":
+    return panels.matmul(x, w, n, preferred_element_type)
+  return jnp.matmul(x, w.reshape(x.shape[-1], n), preferred_element_type=preferred_element_type)
+
+
+def relayout(params: dict, layout: str, plain_shapes: dict) -> dict:
+  """Every dense weight (`DENSE_AXES`) of `params` moved to `layout`; other leaves as they are.
+
+  `plain_shapes` is the tree of the parameters' plain shapes (e.g. `jax.eval_shape` of the
+  plain model's init), which says how wide a padded panel weight really is.
+  """
+  if layout not in panels.LAYOUTS:
+    raise ValueError(f"unknown weight layout {layout!r}: use one of {panels.LAYOUTS}")
+
+  def move(path, w, plain):
+    name = path[-1].key if hasattr(path[-1], "key") else None
+    if name not in DENSE_AXES:
+      return w
+    n_in, n_out = DENSE_AXES[name]
+    lead = plain.shape[: len(plain.shape) - n_in - n_out]
+    k = math.prod(plain.shape[len(lead) : len(lead) + n_in])
+    n = math.prod(plain.shape[len(lead) + n_in :])
+    is_panels = w.shape != plain.shape
+    if layout == "panels" and not is_panels:
+      return panels.pack(w.reshape(*lead, k, n))
+    if layout == "plain" and is_panels:
+      return panels.unpack(w, n).reshape(plain.shape)
+    return w
+
+  return jax.tree_util.tree_map_with_path(move, params, plain_shapes)
+
+
+def stack_layers(layers: list[dict]) -> jax.Array:
+  """Per-layer parameter trees -> one tree with a leading layers axis (the nn.scan layout)."""
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+
+
+def set_scan_layers(params: dict, num_layers: int, scan: bool) -> dict:
+  """Converts parameters between the scanned (`layers`) and looped (`layers_{i}`) layouts."""
+  params = dict(params)
+  if scan and "layers" not in params:
+    params["layers"] = stack_layers([params.pop(f"layers_{i}") for i in range(num_layers)])
+  elif not scan and "layers" in params:
+    stacked = params.pop("layers")
+    for i in range(num_layers):
+      params[f"layers_{i}"] = jax.tree.map(lambda a, i=i: a[i], stacked)
+  return params
+
+
+class RMSNorm(nn.Module):
+  """Root-mean-square norm, computed in float32 like HF's LlamaRMSNorm."""
+
+  cfg: Any  # a llama.LlamaConfig
+
+  @nn.compact
+  def __call__(self, x):
+    scale = param(
+      self, "scale", nn.initializers.ones, (x.shape[-1],), ("embed",), self.cfg.param_dtype
+    )
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.cfg.rms_norm_eps)
+    return (scale.astype(jnp.float32) * x32).astype(self.cfg.dtype)

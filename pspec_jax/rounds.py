@@ -1,0 +1,423 @@
+"""One speculative round, as pure functions of a static `Plan` (docs/design.md section 3).
+
+State between rounds: the target cache holds x_1..x_n; the *bonus* token x_{n+1} is known but
+not yet in the cache, and the drafter's proposals for the next round are ready. A round builds
+the token tree (3.3: static, dynamic or gated, with a prompt-lookup chain when the context
+repeats), verifies it in one target pass that leaves out the parts no sequence has (3.4),
+accepts a path and a new bonus token, greedy or lossless sampling (3.5), commits the path's
+keys/values and tokens, cut at EOS and the budget (3.6), and feeds the accepted pairs to the
+drafter, which proposes the next tree. An adaptive tree drafts and verifies the candidate its
+statistics chose (3.7).
+
+Every function takes the plan first, then whichever of target, drafter and state it uses:
+`init(plan, target, drafter, tokens, lengths, key)`, `verify(plan, target, drafter, state)`,
+`accept_path(plan, state, verified)`, `commit(plan, state, verified)`,
+`draft(plan, target, drafter, state, pairs)`, `round_step(plan, target, drafter, state)`.
+`pspec_jax.decode` exports them jitted and runs them in one loop.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from pspec_jax import adaptive, sharding
+from pspec_jax import tree as tree_lib
+from pspec_jax.accept import accept
+from pspec_jax.arrays import take_rows
+from pspec_jax.decode_plan import Plan
+from pspec_jax.drafter import Drafter
+from pspec_jax.kv_cache import KVCache
+from pspec_jax.llama import Target
+from pspec_jax.propose import Draw, Pairs, draw_tables, feed, pld_candidates, propose
+from pspec_jax.sampling import select
+
+__all__ = [
+  "DecodeState",
+  "Verified",
+  "accept_path",
+  "commit",
+  "draft",
+  "init",
+  "round_step",
+  "verify",
+]
+
+# Prompt lookup finds the context's last 3, else last 2 tokens earlier in it; a lone repeated
+# token predicts too little to be worth verifying.
+LOOKUP_NGRAMS = (2, 3)
+# Rounds fold their step (>= 0, far below this) into the decode's key; drafts use this stream.
+DRAFT_STREAM = 2**32 - 1
+CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
+
+
+@struct.dataclass
+class DecodeState:
+  cache: KVCache  # target cache; lengths[b] = n, the bonus excluded
+  tokens: jax.Array  # [B, W] prompt then generated tokens; the bonus is tokens[b, n]
+  prompt_lengths: jax.Array  # [B]
+  done: jax.Array  # [B] bool
+  rounds: jax.Array  # [B] verification rounds (target passes after prefill) while active
+  accepted: jax.Array  # [B, P] rounds whose accepted path reached depth d + 1
+  key: jax.Array  # PRNG key, folded with the round number
+  step: jax.Array  # scalar: rounds run so far
+  drafter_cache: KVCache | None  # the drafter's cache over real pairs, if it has one
+  node_tokens: jax.Array  # [B, M] next round's drafted pool nodes (node 0 becomes the bonus)
+  node_logp: jax.Array  # [B, M] their draft log-probabilities given their parents
+  draft_logq: jax.Array  # [B, G, V] the q they were drawn from (`Plan.drawn`; else [B, 1, 1])
+  adapt: adaptive.Stats | None = None  # an adaptive tree's statistics and next candidate
+
+  @property
+  def num_tokens(self) -> jax.Array:
+    """[B] tokens known per sequence: the cache plus the bonus."""
+    return self.cache.lengths + 1
+
+  @property
+  def num_generated(self) -> jax.Array:
+    return self.num_tokens - self.prompt_lengths
+
+
+@struct.dataclass
+class Verified:
+  """One round's verified tree: its arrays, tokens, and the target's outputs at every node."""
+
+  tree: tree_lib.TreeArrays  # [B, ...]
+  node_tokens: jax.Array  # [B, M]
+  features: jax.Array  # [B, M, D]
+  kv: tuple[jax.Array, jax.Array]  # [L, B, M, K, H] each
+  logits: jax.Array  # [B, M, V] float32
+  node_table: jax.Array | None = None  # [B, M] row of draft_logq a node was drawn from, or -1
+  draft_logq: jax.Array | None = None  # [B, G, V] (`Plan.drawn`; else None)
+
+
+def _is_eos(tokens: jax.Array, plan: Plan) -> jax.Array:
+  if not plan.eos_ids:
+    return jnp.zeros(tokens.shape, jnp.bool_)
+  return jnp.isin(tokens, jnp.asarray(plan.eos_ids, jnp.int32))
+
+
+def _constrain_state(plan: Plan, state: DecodeState) -> DecodeState:
+  """The state's caches over batch and kv heads, its per-sequence arrays over batch."""
+  if plan.mesh is None:
+    return state
+
+  def cache(c):
+    if c is None:
+      return None
+
+    def place(x):  # a per-layer buffer has no "layers" axis
+      return sharding.constrain(x, CACHE_AXES[-x.ndim :], plan.mesh)
+
+    return c.replace(k=jax.tree.map(place, c.k), v=jax.tree.map(place, c.v))
+
+  return state.replace(
+    cache=cache(state.cache),
+    drafter_cache=cache(state.drafter_cache),
+    tokens=sharding.constrain(state.tokens, ("batch", "length"), plan.mesh),
+  )
+
+
+def init(
+  plan: Plan,
+  target: Target,
+  drafter: Drafter | None,
+  prompt_tokens: jax.Array,
+  prompt_lengths: jax.Array,
+  key: jax.Array,
+) -> DecodeState:
+  """Prefills the cache, chooses the first bonus token and drafts the first tree."""
+  pool = plan.tree
+  batch, width = prompt_tokens.shape
+  total = width + plan.max_new_tokens
+  prompt_lengths = prompt_lengths.astype(jnp.int32)
+  positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
+  features, kv = target(prompt_tokens, positions)
+  # p_n sits at each sequence's last real token; pads after it are never read.
+  last = jnp.take_along_axis(features, (prompt_lengths - 1)[:, None, None], axis=1)
+  first = select(target.logits(last)[:, 0], jax.random.fold_in(key, 0), plan.sampling)
+  cache = target.empty_cache(batch, plan.max_len).write(kv, prompt_lengths)
+  is_prompt = jnp.arange(width)[None, :] < prompt_lengths[:, None]
+  tokens = jnp.zeros((batch, total), jnp.int32)
+  tokens = tokens.at[:, :width].set(jnp.where(is_prompt, prompt_tokens, 0))
+  tokens = tokens.at[jnp.arange(batch), prompt_lengths].set(first)
+  state = DecodeState(
+    cache=cache,
+    tokens=tokens,
+    prompt_lengths=prompt_lengths,
+    done=_is_eos(first, plan) | (plan.max_new_tokens <= 1),
+    rounds=jnp.zeros((batch,), jnp.int32),
+    accepted=jnp.zeros((batch, pool.max_depth), jnp.int32),
+    key=key,
+    step=jnp.zeros((), jnp.int32),
+    drafter_cache=None if drafter is None else drafter.empty_cache(batch, plan.max_len),
+    node_tokens=jnp.zeros((batch, 1), jnp.int32),
+    node_logp=jnp.zeros((batch, 1), jnp.float32),
+    draft_logq=jnp.zeros((batch, 1, 1), jnp.float32),
+    adapt=adaptive.init_stats(pool, batch) if pool.candidates else None,
+  )
+  # Prompt pair t is (f_t, x_{t+1}); the last one carries the first bonus token.
+  pairs = Pairs(tokens=tokens[:, 1 : width + 1], features=features, count=prompt_lengths)
+  return _constrain_state(plan, draft(plan, target, drafter, state, pairs))
+
+
+def verify(plan: Plan, target: Target, drafter: Drafter | None, state: DecodeState) -> Verified:
+  """Steps 1-2: builds this round's tree and runs the target over its nodes.
+
+  The target runs over the nodes some sequence can accept: a gated tree (`+min:P`) whose drafted
+  nodes every sequence cut, or a lookup chain no sequence found, is left out of the pass (its
+  outputs are zeros, never read), so such rounds cost what the rest of the tree costs.
+  """
+  pool = plan.tree
+  batch = state.tokens.shape[0]
+  n = state.cache.lengths
+  bonus = state.tokens[jnp.arange(batch), n]
+  node_tokens = state.node_tokens.at[:, 0].set(bonus)
+  node_logp = state.node_logp
+  drawn = plan.drawn
+  node_table = None
+  if drawn:
+    node_table = jnp.broadcast_to(draw_tables(plan.kind, pool), node_tokens.shape)
+  if pool.budget:
+    kept, tree = tree_lib.select_dynamic(pool, node_logp)
+    node_tokens = jnp.take_along_axis(node_tokens, kept, axis=1)
+    node_logp = jnp.take_along_axis(node_logp, kept, axis=1)
+    if drawn:
+      node_table = jnp.take_along_axis(node_table, kept, axis=1)
+  else:
+    tree = tree_lib.batched(pool, batch)
+  drafted = node_tokens.shape[1]
+  if pool.candidates:
+    return _verify_adaptive(target, state, pool, tree, node_tokens)
+  # Each part of the tree that a round may leave out: its nodes, and whether this round has it.
+  parts = []
+  if pool.min_prob:
+    tree = tree_lib.gated(tree, node_logp, pool.min_prob)
+    parts.append((range(1, drafted), jnp.any(tree.children[:, 0] >= 0)))
+  if pool.lookup:
+    lookup_tokens, ok = pld_candidates(
+      state.tokens, state.num_tokens, pool.lookup, LOOKUP_NGRAMS[1], LOOKUP_NGRAMS[0]
+    )
+    node_tokens = jnp.concatenate([node_tokens, lookup_tokens], axis=1)
+    if drawn:  # lookup nodes are not drawn from q
+      node_table = jnp.pad(node_table, ((0, 0), (0, pool.lookup)), constant_values=-1)
+    tree = tree_lib.with_lookup(tree, ok)
+    parts.append((range(drafted, drafted + pool.lookup), jnp.any(ok[:, 0])))
+  num_nodes = node_tokens.shape[1]
+  run = functools.partial(_run_nodes, target, state, tree, node_tokens)
+  optional = {i for nodes, _ in parts for i in nodes}
+  always = [i for i in range(num_nodes) if i not in optional]
+  # Branch k runs the parts whose bit is set in k; the round picks the parts it has.
+  branches = [
+    functools.partial(
+      run, always + [i for j, (nodes, _) in enumerate(parts) if k >> j & 1 for i in nodes]
+    )
+    for k in range(2 ** len(parts))
+  ]
+  if len(branches) == 1:
+    features, kv, logits = branches[0]()
+  else:
+    index = sum(has.astype(jnp.int32) << j for j, (_, has) in enumerate(parts))
+    features, kv, logits = jax.lax.switch(index, branches)
+  return Verified(
+    tree=tree,
+    node_tokens=node_tokens,
+    features=features,
+    kv=kv,
+    logits=logits,
+    node_table=node_table,
+    draft_logq=state.draft_logq if drawn else None,
+  )
+
+
+def _run_nodes(target, state, tree, node_tokens, nodes):
+  """The target over these nodes (closed under ancestors) of the tree; zeros elsewhere."""
+  n = state.cache.lengths
+  num_nodes = node_tokens.shape[1]
+  index = np.asarray(nodes)
+  whole = len(index) == num_nodes
+  tokens, depth, ancestors = node_tokens, tree.depth, tree.ancestors
+  if not whole:
+    tokens, depth, ancestors = tokens[:, index], depth[:, index], ancestors[:, index][:, :, index]
+  features, kv = target(tokens, n[:, None] + depth, state.cache, ancestors)
+  out = features, kv, target.logits(features)
+  if whole:
+    return out
+  return jax.tree.map(lambda x, axis: _spread(x, axis, index, num_nodes), out, (1, (2, 2), 1))
+
+
+def _verify_adaptive(target, state, pool, tree, node_tokens) -> Verified:
+  """An adaptive round's verification: the union tree cut to the chosen candidate, and its
+  lookup chain where a sequence found one; the pass covers exactly those nodes."""
+  choice = state.adapt.choice
+  tree, chain_L = adaptive.restrict(tree, pool, choice)
+  runs = jnp.bool_(False)
+  if pool.lookup:
+    lookup_tokens, ok = pld_candidates(
+      state.tokens, state.num_tokens, pool.lookup, LOOKUP_NGRAMS[1], LOOKUP_NGRAMS[0]
+    )
+    ok = ok & chain_L[None, :]
+    node_tokens = jnp.concatenate([node_tokens, lookup_tokens], axis=1)
+    tree = tree_lib.with_lookup(tree, ok)
+    runs = jnp.any(ok[:, 0])
+  # One branch per distinct node set, (candidate, lookup runs) -> branch.
+  sets = adaptive.branch_nodes(pool)
+  unique = list(dict.fromkeys(sets))
+  run = functools.partial(_run_nodes, target, state, tree, node_tokens)
+  branches = [functools.partial(run, nodes) for nodes in unique]
+  which = jnp.asarray([unique.index(nodes) for nodes in sets], jnp.int32)
+  index = which[2 * choice + runs.astype(jnp.int32)]
+  features, kv, logits = jax.lax.switch(index, branches)
+  return Verified(tree=tree, node_tokens=node_tokens, features=features, kv=kv, logits=logits)
+
+
+def _spread(x: jax.Array, axis: int, index: np.ndarray, size: int) -> jax.Array:
+  """x placed at `index` along `axis` of a zero array `size` long there."""
+  shape = x.shape[:axis] + (size,) + x.shape[axis + 1 :]
+  where = (slice(None),) * axis + (index,)
+  return jnp.zeros(shape, x.dtype).at[where].set(x)
+
+
+def accept_path(plan: Plan, state: DecodeState, verified: Verified):
+  """Step 3: every sequence's accepted path [B, P+1], drafts accepted [B] and bonus token [B],
+  with this round's key (the choice `commit` makes)."""
+  drafts = None
+  if verified.node_table is not None:
+    drafts = (verified.node_table, verified.draft_logq)
+  return accept(
+    verified.logits,
+    verified.node_tokens,
+    verified.tree,
+    plan.max_depth,
+    jax.random.fold_in(state.key, state.step + 1),
+    plan.sampling,
+    drafts,
+  )
+
+
+def commit(plan: Plan, state: DecodeState, verified: Verified) -> tuple[DecodeState, Pairs]:
+  """Steps 3-4: accepts a path, writes its tokens and keys/values; returns the new pairs.
+
+  A sequence keeps the accepted drafts and the bonus, cut after its first EOS and at its token
+  budget; finished sequences idle (nothing written, counters unchanged).
+  """
+  return _commit_path(plan, state, verified, accept_path(plan, state, verified))
+
+
+def _commit_path(plan, state, verified, accepted) -> tuple[DecodeState, Pairs]:
+  """`commit` of an accepted (path, num_accepted, bonus) that `accept_path` gave."""
+  path, num_accepted, bonus = accepted
+  depth = plan.max_depth
+  batch, total = state.tokens.shape
+  rows = jnp.arange(batch)
+  active = ~state.done
+  n = state.cache.lengths
+  step = state.step + 1
+  # New tokens x_{n+2}..: the accepted drafts below the root, then the bonus.
+  drafts = take_rows(verified.node_tokens, path)[:, 1:]
+  new = jnp.concatenate([drafts, jnp.zeros((batch, 1), jnp.int32)], axis=1)
+  new = new.at[rows, num_accepted].set(bonus)
+  index = jnp.arange(depth + 1)[None, :]
+  offered = num_accepted + 1
+  eos = _is_eos(new, plan) & (index < offered[:, None])
+  first_eos = jnp.min(jnp.where(eos, index, depth + 1), axis=1)
+  budget = plan.max_new_tokens - state.num_generated
+  kept = jnp.where(active, jnp.minimum(jnp.minimum(offered, first_eos + 1), budget), 0)
+  # The root and the kept drafts but the last enter the cache; the last kept token is the bonus.
+  kv_path = tuple(jnp.take_along_axis(x, path[None, :, :, None, None], axis=2) for x in verified.kv)
+  cache = state.cache.write(kv_path, kept)
+  # Rows past `kept` write to index `total`, which mode="drop" discards.
+  where = jnp.where(index < kept[:, None], n[:, None] + 1 + index, total)
+  tokens = state.tokens.at[rows[:, None], where].set(new, mode="drop")
+  finished = jnp.any(eos & (index < kept[:, None]), axis=1) | (kept >= budget)
+  state = state.replace(
+    cache=cache,
+    tokens=tokens,
+    step=step,
+    rounds=state.rounds + active,
+    accepted=state.accepted + (jnp.arange(depth)[None, :] < kept[:, None] - 1),
+    done=state.done | (active & finished),
+  )
+  pairs = Pairs(tokens=new, features=take_rows(verified.features, path), count=kept)
+  return state, pairs
+
+
+def draft(
+  plan: Plan, target: Target, drafter: Drafter | None, state: DecodeState, pairs: Pairs
+) -> DecodeState:
+  """Step 5: the drafter consumes the new pairs and drafts the next round's tree pool."""
+  if drafter is None:
+    return state
+  context = (state.tokens, state.num_tokens)
+  pool = plan.tree
+  if pool.candidates:
+    return _draft_adaptive(plan, target, drafter, state, pairs)
+  draw = None
+  if plan.drawn:
+    # A stream of its own: keys derived from the rounds' keys (`accept_path` splits
+    # fold_in(key, step)) could repeat one of theirs (fold_in(k, 1) is split(k)[1]), and drafts
+    # that reuse the last round's random bits would follow what it accepted.
+    stream = jax.random.fold_in(state.key, DRAFT_STREAM)
+    draw = Draw(plan.sampling, jax.random.fold_in(stream, state.step))
+  drafter_cache, nodes = propose(drafter, target, state.drafter_cache, pairs, context, pool, draw)
+  state = state.replace(drafter_cache=drafter_cache, node_tokens=nodes[0], node_logp=nodes[1])
+  return state.replace(draft_logq=nodes[2]) if draw is not None else state
+
+
+def _draft_adaptive(plan, target, drafter, state, pairs) -> DecodeState:
+  """Chooses the next round's candidate (`adaptive.choose`) and drafts its nodes alone, placed
+  at their indices in the union tree; the root alone drafts nothing."""
+  pool = plan.tree
+  context = (state.tokens, state.num_tokens)
+  batch = state.tokens.shape[0]
+  found = jnp.zeros((batch,), jnp.bool_)
+  if pool.lookup:
+    found = pld_candidates(state.tokens, state.num_tokens, 1, LOOKUP_NGRAMS[1], LOOKUP_NGRAMS[0])[
+      1
+    ][:, 0]
+  choice = adaptive.choose(state.adapt, pool, plan.costs, found, ~state.done)
+  union = {p: i + 1 for i, p in enumerate(pool.paths)}
+
+  def drafted(cand):
+    if not cand.paths:
+      cache = feed(drafter, target, state.drafter_cache, pairs)
+      return (
+        cache,
+        jnp.zeros((batch, pool.num_nodes), jnp.int32),
+        jnp.zeros((batch, pool.num_nodes)),
+      )
+    cache, (tokens, logp) = propose(drafter, target, state.drafter_cache, pairs, context, cand)
+    index = np.asarray([0] + [union[p] for p in cand.paths])
+    place = lambda x: jnp.zeros((batch, pool.num_nodes), x.dtype).at[:, index].set(x)
+    return cache, place(tokens), place(logp.astype(jnp.float32))
+
+  # One branch per distinct drafted part (candidates differing in their lookup chain share one).
+  shapes = [tree_lib.Tree(paths=c.paths) for c in pool.candidates]
+  unique = list(dict.fromkeys(shapes))
+  which = jnp.asarray([unique.index(t) for t in shapes], jnp.int32)
+  branches = [functools.partial(drafted, t) for t in unique]
+  cache, node_tokens, node_logp = jax.lax.switch(which[choice], branches)
+  return state.replace(
+    drafter_cache=cache,
+    node_tokens=node_tokens,
+    node_logp=node_logp,
+    adapt=state.adapt.replace(choice=choice),
+  )
+
+
+def round_step(
+  plan: Plan, target: Target, drafter: Drafter | None, state: DecodeState
+) -> DecodeState:
+  """One round: verify the drafted tree, accept and commit, draft the next tree."""
+  verified = verify(plan, target, drafter, state)
+  accepted = accept_path(plan, state, verified)
+  before = state
+  state, pairs = _commit_path(plan, state, verified, accepted)
+  if state.adapt is not None:
+    path, num_accepted, _ = accepted
+    stats = adaptive.observe(
+      before.adapt, plan.tree, verified.tree, path, num_accepted, ~before.done
+    )
+    state = state.replace(adapt=stats)
+  return _constrain_state(plan, draft(plan, target, drafter, state, pairs))

@@ -1,0 +1,141 @@
+"""Tiny models and prompts the tests share (as gemma's `gm/testing`): import this module
+(`from pspec_jax import testing`), never another test file.
+
+`save_hf_llama` imports torch (the `test` extra) and transformers when it is called: the rest of
+this module imports without torch, and without the seconds transformers takes to import.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pspec_jax import drafter as drafter_lib
+from pspec_jax import llama
+
+__all__ = [
+  "HF_CONFIGS",
+  "PROMPTS",
+  "TINY",
+  "drafter_for",
+  "make_target",
+  "padded",
+  "save_hf_llama",
+]
+
+# A small vocabulary makes random drafters right now and then, so acceptance paths run; scaled
+# weights make the target's distributions peaked (and greedy decoding repetitive).
+TINY = llama.LlamaConfig(
+  name="tiny",
+  vocab_size=16,
+  hidden_size=32,
+  intermediate_size=48,
+  num_layers=2,
+  num_heads=4,
+  num_kv_heads=2,
+  max_position_embeddings=256,
+)
+PROMPTS = [[5, 9, 2, 13, 7], [1, 2], [10, 11, 12, 13, 14, 15, 3, 4, 8], [6]]
+
+
+def make_target(scale, seed=0, cfg=TINY):
+  """A random target of `cfg` with its matrices scaled by `scale` (unscanned layers)."""
+  params = llama.init_params(cfg, jax.random.key(seed))
+  params = jax.tree.map(lambda x: x * scale if x.ndim > 2 else x, params)
+  return llama.Target(cfg=cfg, params=params).with_scan_layers(False)
+
+
+def padded(prompts, width=16):
+  """Right-padded [B, width] tokens and [B] lengths."""
+  tokens = np.zeros((len(prompts), width), np.int32)
+  for row, p in enumerate(prompts):
+    tokens[row, : len(p)] = p
+  return jnp.asarray(tokens), jnp.asarray([len(p) for p in prompts], jnp.int32)
+
+
+def drafter_for(kind, target, num_draft=4, seed=1):
+  """A random (untrained) drafter of `kind`, or pld."""
+  if kind == "pld":
+    cfg = drafter_lib.DrafterConfig.for_target("pld", target.cfg, num_draft=num_draft)
+    return drafter_lib.Drafter(cfg=cfg, params={})
+  return drafter_lib.random_drafter(kind, target, jax.random.key(seed), num_draft=num_draft)
+
+
+# HF Llama variants for `save_hf_llama`: grouped and full attention, tied and untied heads, and
+# Llama 3's RoPE scaling with a head width other than hidden / heads.
+HF_CONFIGS = {
+  "gqa_untied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+  "mha_tied": dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
+  "llama3_scaling_wide_heads": dict(
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=16,
+    tie_word_embeddings=False,
+    rope_theta=500000.0,
+    rope_scaling=dict(
+      rope_type="llama3",
+      factor=8.0,
+      low_freq_factor=1.0,
+      high_freq_factor=4.0,
+      original_max_position_embeddings=16,
+    ),
+  ),
+}
+
+
+def save_hf_llama(directory, seed=0, dtype=None, **overrides):
+  """A tiny random HF Llama saved with `save_pretrained`; returns the torch model.
+
+  Args:
+    directory: where to save it.
+    seed: torch's seed for its weights.
+    dtype: a torch dtype for the saved weights (default float32).
+    **overrides: `transformers.LlamaConfig` fields, e.g. one of `HF_CONFIGS`.
+  """
+  import torch  # see the module docstring
+  import transformers
+
+  torch.manual_seed(seed)
+  config = transformers.LlamaConfig(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=3,
+    max_position_embeddings=256,
+    initializer_range=0.2,
+    **overrides,
+  )
+  model = transformers.LlamaForCausalLM(config).to(dtype or torch.float32).eval()
+  model.save_pretrained(directory)
+  return model
+
+
+# The command-line tests: the repository root they run in, the smoke training config, and the
+# environment of a CPU subprocess (no fake devices, no hub).
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOKE = "configs/smollm2_135m.py:smoke"
+
+
+def cli_env() -> dict:
+  return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", HF_HUB_OFFLINE="1")
+
+
+class CharTokenizer:
+  """One token per character and a ChatML-like template: enough to check rendering."""
+
+  name_or_path = "chars"
+  pad_token_id = 0
+
+  def __len__(self):
+    return 256
+
+  def __call__(self, text, add_special_tokens=False):
+    class Out:
+      input_ids = [ord(c) % 256 for c in text]
+
+    return Out()
+
+  def apply_chat_template(self, turns, add_generation_prompt=False, tokenize=False):
+    text = "".join(f"<{t['role'][0]}>{t['content']}|" for t in turns)
+    return text + ("<a>" if add_generation_prompt else "")
