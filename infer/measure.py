@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from pspec_jax import checkpoints, decode
+from pspec_jax import checkpoints, cpu_kernel, decode, panels
 from pspec_jax import prompts as prompts_lib
 from pspec_jax.sampling import SamplingConfig
 
@@ -293,15 +293,28 @@ def phase_shares(target, drafter, batches, cfg) -> dict[str, float]:
 
 
 def read_bandwidth(num_bytes: int, repeats: int = 5) -> float:
-  """Bytes per second of a large streaming read on the default device: a jitted sum over a
-  float32 buffer of `num_bytes`, at least 256 MiB so no cache holds it and at most 1 GiB
-  (median of a few). The rate at which a decoding step could read its weights, each once; a
-  copy (read and write) gives less than this on a CPU, so a floor from it flatters a step."""
+  """Bytes per second of a large streaming read on the default device, at least 256 MiB so no
+  cache holds it and at most 1 GiB: a jitted sum over a float32 buffer, and on a CPU with the
+  panel kernel also that kernel's one-row product over the same bytes (it reads on every core,
+  where XLA:CPU's sum reads on one); the faster reader's median of a few, taken in turns. The
+  rate at which a decoding step could read its weights, each once; a copy (read and write)
+  gives less than this on a CPU, so a floor from it would flatter a step."""
   num_bytes = min(max(num_bytes, 1 << 28), 1 << 30)
+  panel = 1024 * panels.WIDTH  # floats in one [1024, 64] panel
+  num_bytes -= num_bytes % (4 * panel)
   buffer = jax.numpy.ones(num_bytes // 4, np.float32)
-  total = jax.jit(jax.numpy.sum)
-  jax.block_until_ready(total(buffer))  # warm-up (and compile)
-  return num_bytes / statistics.median(timed(total, buffer)[1] for _ in range(repeats))
+  readers = [(jax.jit(jax.numpy.sum), (buffer,))]
+  if jax.default_backend() == "cpu" and cpu_kernel.available():
+    w = buffer.reshape(-1, 1024, panels.WIDTH)
+    x = jax.numpy.ones((1, 1024), np.float32)
+    readers.append((jax.jit(cpu_kernel.matmul, static_argnums=2), (x, w, w.shape[0] * 64)))
+  for read, args in readers:
+    jax.block_until_ready(read(*args))  # warm-up (and compile)
+  seconds = [[] for _ in readers]
+  for _ in range(repeats):
+    for (read, args), s in zip(readers, seconds, strict=True):
+      s.append(timed(read, *args)[1])
+  return num_bytes / min(statistics.median(s) for s in seconds)
 
 
 def round_seconds(target, drafter, ids, cfg, repeats=3) -> tuple[float, int]:

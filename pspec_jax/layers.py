@@ -126,10 +126,10 @@ def dense(cfg, x_XK, w, n: int, preferred_element_type=None):
   The one matrix product of every layer, whatever the layout: plain weights are reshaped
   (free for row-major arrays; a two-axis contraction made XLA:CPU copy the weight every step).
   """
+  if cfg.weight_layout == "panels":
+    return panels.matmul(x_XK, w, n, cfg.dtype, preferred_element_type)
   x = x_XK.astype(cfg.dtype)
   w = w.astype(cfg.dtype)
-  if cfg.weight_layout == "panels":
-    return panels.matmul(x, w, n, preferred_element_type)
   return jnp.matmul(x, w.reshape(x.shape[-1], n), preferred_element_type=preferred_element_type)
 
 

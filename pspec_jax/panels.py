@@ -14,6 +14,10 @@ block: 32 measured close, 16, 128 and 192 worse. Without the batch axis XLA copi
 call. A weight whose N is not a multiple of 64 is padded with zero columns, and the product
 drops them again.
 
+From about 6 rows on YNNPACK loses the stream again, and one row is no faster than the plain
+layout's matrix-vector product: where it is built, the CPU panel kernel (`cpu_kernel`) takes
+every product of up to 64 rows instead, streaming each panel once whatever the number of rows.
+
 The layout is a storage choice made when a model is loaded for decoding (`LAYOUTS`); training,
 sharded models and accelerators keep `plain`. `pack` and `unpack` convert between the two, on
 any leading (e.g. stacked-layer) axes.
@@ -24,6 +28,8 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from pspec_jax import cpu_kernel
 
 __all__ = ["LAYOUTS", "WIDTH", "matmul", "pack", "packed_shape", "unpack"]
 
@@ -50,18 +56,45 @@ def unpack(w_PKC: jax.Array, n: int) -> jax.Array:
   return jnp.swapaxes(w_PKC, -3, -2).reshape(*lead, k, p * c)[..., :n]
 
 
-def matmul(x_XK: jax.Array, w_PKC: jax.Array, n: int, preferred_element_type=None) -> jax.Array:
-  """x @ W for W stored as panels: [..., K] x [P, K, 64] -> [..., n].
+def matmul(x_XK: jax.Array, w_PKC: jax.Array, n: int, dtype=None, preferred_element_type=None):
+  """x @ W for W stored as panels: [..., K] x [P, K, 64] -> [..., n], computed in `dtype`
+  (default: x's), the result in `preferred_element_type` (default: `dtype`).
+
+  On a CPU, up to `cpu_kernel.MAX_ROWS` rows go to the panel kernel where it is built
+  (`pspec_jax.cpu_kernel`: float32 or bfloat16 weights, float32 arithmetic); everything else,
+  and every other device, takes XLA's batched dot below. Either way a row's result does not
+  depend on how many rows share the call, so a verified tree node computes bit for bit what a
+  plain decoding step computes.
+  """
+  dtype = dtype or x_XK.dtype
+  out_dtype = preferred_element_type or dtype
+  *lead, k = x_XK.shape
+  x_MK = x_XK.reshape(-1, k)
+  m = x_MK.shape[0]
+  if 1 <= m <= cpu_kernel.MAX_ROWS and w_PKC.dtype in _KERNEL_DTYPES and cpu_kernel.available():
+    y_MN = lax.platform_dependent(
+      x_MK,
+      w_PKC,
+      cpu=lambda x, w: cpu_kernel.matmul(x, w, n).astype(out_dtype),
+      default=lambda x, w: _dot(x.astype(dtype), w.astype(dtype), n, preferred_element_type),
+    )
+  else:
+    y_MN = _dot(x_MK.astype(dtype), w_PKC.astype(dtype), n, preferred_element_type)
+  return y_MN.reshape(*lead, n)
+
+
+_KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def _dot(x_MK: jax.Array, w_PKC: jax.Array, n: int, preferred_element_type) -> jax.Array:
+  """XLA's panel product: a dot batched over the panels, x broadcast to each.
 
   A single row is padded to two: XLA:CPU gives one row its own matrix-vector kernel, which
   sums in another order than YNNPACK does for two rows or more. Padded, a row's result does
-  not depend on how many rows share the call, so a verified tree node computes bit for bit
-  what a plain decoding step computes, and the padding costs nothing measurable.
+  not depend on how many rows share the call, and the padding costs nothing measurable.
   """
-  *lead, k = x_XK.shape
-  p = w_PKC.shape[0]
-  x_MK = x_XK.reshape(-1, k)
   m = x_MK.shape[0]
+  p = w_PKC.shape[0]
   if m == 1:
     x_MK = jnp.pad(x_MK, ((0, 1), (0, 0)))
   x_PMK = jnp.broadcast_to(x_MK[None], (p, *x_MK.shape))
@@ -72,4 +105,4 @@ def matmul(x_XK: jax.Array, w_PKC: jax.Array, n: int, preferred_element_type=Non
     preferred_element_type=preferred_element_type,
   )
   y_MN = jnp.swapaxes(y_PMC, 0, 1).reshape(x_MK.shape[0], p * WIDTH)
-  return y_MN[:m, :n].reshape(*lead, n)
+  return y_MN[:m, :n]

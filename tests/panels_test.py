@@ -1,4 +1,5 @@
-"""Panel-packed dense weights (`pspec_jax.panels`): the plain layout's products, row for row."""
+"""Panel-packed dense weights (`pspec_jax.panels`): the plain layout's products, row for row,
+through the CPU panel kernel and through XLA's path alike."""
 
 import jax
 import jax.numpy as jnp
@@ -6,13 +7,26 @@ import numpy as np
 import pytest
 from jax import flatten_util
 
-from pspec_jax import checkpoints, drafter_files, llama, panels, testing
+from pspec_jax import checkpoints, cpu_kernel, drafter_files, llama, panels, testing
 from pspec_jax import drafter as drafter_lib
 
 # M rows, K inputs, N outputs: N and K on and off multiples of the 64-column panel.
 SHAPES = [(1, 100, 130), (2, 64, 64), (3, 70, 200), (4, 576, 192), (5, 128, 65), (8, 33, 300)]
 SHAPES += [(11, 96, 129), (16, 64, 1)]
-matmul = jax.jit(panels.matmul, static_argnums=(2, 3))
+
+
+@pytest.fixture(autouse=True, params=["kernel", "xla"])
+def product_path(request):
+  """Every test runs with the kernel (built on every machine with a C++ compiler) and without."""
+  if request.param == "kernel":
+    assert cpu_kernel.available(), cpu_kernel.describe()
+    yield request.param
+  else:
+    with cpu_kernel.disabled():
+      yield request.param
+
+
+matmul = jax.jit(panels.matmul, static_argnames=("n", "dtype", "preferred_element_type"))
 
 
 @pytest.mark.parametrize("m,k,n", SHAPES)
@@ -23,7 +37,7 @@ def test_a_panel_product_equals_the_plain_one(m, k, n, dtype):
   w = jnp.asarray(rng.standard_normal((k, n)), dtype)
   wp = panels.pack(w)
   assert wp.shape == panels.packed_shape(k, n) == (-(-n // 64), k, 64)
-  got = matmul(x, wp, n, jnp.float32)
+  got = matmul(x, wp, n=n, preferred_element_type=jnp.float32)
   exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
   assert got.shape == (m, n) and got.dtype == jnp.float32
   # Inputs are exact in either dtype and products accumulate in float32: only rounding
@@ -32,7 +46,7 @@ def test_a_panel_product_equals_the_plain_one(m, k, n, dtype):
   if dtype == jnp.bfloat16:
     plain = jnp.matmul(x, w)  # the plain layout's product in the compute dtype
     np.testing.assert_allclose(
-      np.asarray(matmul(x, wp, n, None), np.float32), np.asarray(plain, np.float32), rtol=2e-2
+      np.asarray(matmul(x, wp, n=n), np.float32), np.asarray(plain, np.float32), rtol=2e-2
     )
 
 
@@ -42,9 +56,9 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
   for k, n in ((576, 192), (1536, 576), (100, 130)):
     w = panels.pack(jnp.asarray(rng.standard_normal((k, n)), jnp.float32))
     x = jnp.asarray(rng.standard_normal((16, k)), jnp.float32)
-    alone = matmul(x[:1], w, n, None)
+    alone = matmul(x[:1], w, n=n)
     for m in range(2, 17):
-      assert (matmul(x[:m], w, n, None)[:1] == alone).all(), (k, n, m)
+      assert (matmul(x[:m], w, n=n)[:1] == alone).all(), (k, n, m)
 
 
 def test_pack_and_unpack_invert_each_other_on_leading_axes():

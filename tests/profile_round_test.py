@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from infer import measure, profile_round
-from pspec_jax import decode, presets, testing
+from pspec_jax import cpu_kernel, decode, presets, testing
 
 # The decoding tests' tiny architecture with a larger vocabulary; a test ties its head, which
 # the random target unties.
@@ -91,3 +91,14 @@ def test_read_bandwidth_counts_bytes_read_once(monkeypatch):
   monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
   assert measure.read_bandwidth(1 << 29, repeats=3) == 1 << 29
   assert measure.read_bandwidth(4 << 20, repeats=3) == 1 << 28  # never a buffer a cache holds
+  # Whole [1024, 64] float32 panels for the kernel's read: the bytes actually read count.
+  assert measure.read_bandwidth((1 << 28) + 1000, repeats=3) == 1 << 28
+
+
+def test_read_bandwidth_takes_the_faster_reader(monkeypatch):
+  # XLA's sum (one argument) reads in 1 s, the kernel's one-row product (three) in 0.5 s.
+  assert cpu_kernel.available(), cpu_kernel.describe()
+  monkeypatch.setattr(measure, "timed", lambda fn, *args: (None, 1.0 if len(args) == 1 else 0.5))
+  assert measure.read_bandwidth(1 << 28, repeats=3) == 2 * (1 << 28)
+  with cpu_kernel.disabled():
+    assert measure.read_bandwidth(1 << 28, repeats=3) == 1 << 28

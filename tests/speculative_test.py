@@ -1,12 +1,14 @@
 """Speculative decoding end to end: lossless for every drafter kind, tau accounting, sampling."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.stats
 
-from pspec_jax import decode, testing, tree_specs
+from pspec_jax import cpu_kernel, decode, testing, tree_specs
 from pspec_jax import drafter as drafter_lib
 from pspec_jax import propose as propose_lib
 from pspec_jax import tree as tree_lib
@@ -41,13 +43,17 @@ def test_greedy_speculative_equals_plain_greedy(target, kind, tree):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_greedy_speculative_equals_plain_greedy_with_panel_weights(target, kind):
-  # The CPU's decoding layout (`pspec_jax.panels`), with widths off the 64-column panels.
+@pytest.mark.parametrize("path", ["kernel", "xla"])
+def test_greedy_speculative_equals_plain_greedy_with_panel_weights(target, kind, path):
+  # The CPU's decoding layout (`pspec_jax.panels`), with widths off the 64-column panels, its
+  # products through the CPU panel kernel and through XLA.
+  assert path == "xla" or cpu_kernel.available(), cpu_kernel.describe()
   packed = target.with_weight_layout("panels")
   drafter = testing.drafter_for(kind, packed)
   assert drafter.cfg.weight_layout == "panels"
-  for tree in ("sparse8", "dynamic:6"):
-    assert_greedy_lossless(packed, drafter, tree)
+  with cpu_kernel.disabled() if path == "xla" else contextlib.nullcontext():
+    for tree in ("sparse8", "dynamic:6"):
+      assert_greedy_lossless(packed, drafter, tree)
 
 
 @pytest.mark.parametrize("kind", ["pspec", "eagle", "medusa"])

@@ -1,0 +1,145 @@
+"""The CPU panel kernel: x @ W for W in 64-column panels, a few rows at one row's cost.
+
+An optional XLA FFI custom call (`csrc/panel_matmul.cc`) for `panels.matmul`'s small-M
+products on XLA:CPU (docs/design.md section 7). YNNPACK, which XLA:CPU gives every product of
+two rows or more, reads a panel as one stream but loses it again from about 6 rows on, and its
+one-row product is no faster than the plain layout's. The kernel streams each panel once,
+whatever the number of rows (up to `MAX_ROWS`), on every core: a thread takes a panel, reads it
+in blocks that stay in L1 and multiplies every row by each block. Each output element is one
+fused multiply-add per k in k order, so a row's result does not depend on how many rows share
+the call: a verified tree node computes bit for bit what a plain decoding step computes.
+
+The kernel is C++ built from source on this machine (`build`; `make setup` runs it, and the
+first use builds it where a compiler exists), kept under `pspec_jax.cache_dir("kernels")`
+keyed by its source, the compiler and JAX's FFI headers. Where it cannot be built, or with
+`PSPEC_JAX_CPU_KERNEL=off`, `panels.matmul` takes its pure-JAX path, and everything still runs.
+Environment: `PSPEC_JAX_CPU_KERNEL_THREADS` (default: the usable cores, at most 8) and
+`PSPEC_JAX_CPU_KERNEL_ISA=portable` (the C++ path instead of AVX2 + FMA; for tests).
+"""
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from importlib import resources
+
+import jax
+import jax.numpy as jnp
+
+import pspec_jax
+
+__all__ = ["MAX_ROWS", "available", "build", "describe", "disabled", "library_path", "matmul"]
+
+MAX_ROWS = 64  # csrc/panel_matmul.cc kMaxRows: more rows are a prefill, left to XLA
+_TARGET = "pspec_panel_matmul"
+_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-pthread")
+
+
+def _source() -> bytes:
+  return (resources.files("pspec_jax") / "csrc" / "panel_matmul.cc").read_bytes()
+
+
+def _compiler() -> str | None:
+  cxx = os.environ.get("CXX")
+  return shutil.which(cxx) if cxx else shutil.which("g++") or shutil.which("c++")
+
+
+def library_path() -> str | None:
+  """Where this machine's build of the kernel lives (None: no C++ compiler found)."""
+  cxx = _compiler()
+  if cxx is None:
+    return None
+  version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+  key = hashlib.sha256()
+  for part in (_source(), version.encode(), jax.ffi.include_dir().encode(), str(_FLAGS).encode()):
+    key.update(part)
+  return os.path.join(pspec_jax.cache_dir("kernels"), f"panel_matmul-{key.hexdigest()[:16]}.so")
+
+
+def build() -> str:
+  """Compiles the kernel for this machine if it is not built yet; returns the library's path.
+
+  Raises:
+    RuntimeError: no C++ compiler, or the compiler failed (its message included).
+  """
+  path = library_path()
+  if path is None:
+    raise RuntimeError("no C++ compiler (g++, c++ or $CXX) to build the CPU panel kernel")
+  if os.path.exists(path):
+    return path
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as tmp:
+    src = os.path.join(tmp, "panel_matmul.cc")
+    with open(src, "wb") as f:
+      f.write(_source())
+    out = os.path.join(tmp, "panel_matmul.so")
+    cmd = [_compiler(), *_FLAGS, f"-I{jax.ffi.include_dir()}", src, "-o", out]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+      raise RuntimeError(f"building the CPU panel kernel failed: {done.stderr.strip()}")
+    os.replace(out, path)  # atomic: a reader never sees half a library
+  return path
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+  if os.environ.get("PSPEC_JAX_CPU_KERNEL", "auto").lower() in ("off", "0", "false", "no"):
+    return None
+  try:
+    lib = ctypes.CDLL(build())
+  except (RuntimeError, OSError) as e:
+    logging.getLogger(__name__).warning("CPU panel kernel unavailable, using XLA: %s", e)
+    return None
+  jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.PanelMatmul), platform="cpu")
+  lib.pspec_panel_matmul_isa.restype = ctypes.c_char_p
+  return lib
+
+
+_off = False  # set by `disabled`
+
+
+def available() -> bool:
+  """Whether `panels.matmul` uses the kernel: it is built (or builds now), not turned off."""
+  return not _off and _library() is not None
+
+
+@contextlib.contextmanager
+def disabled():
+  """Panel products take XLA's path inside (as where the kernel is not built), to compare the
+  two in one process. Programs compiled before are dropped on entry and exit."""
+  global _off
+  jax.clear_caches()
+  _off = True
+  try:
+    yield
+  finally:
+    _off = False
+    jax.clear_caches()
+
+
+def describe() -> str:
+  """One line on the kernel in use, for reports: its instruction set and threads, or why not."""
+  lib = _library()
+  if lib is None:
+    return "XLA (no CPU panel kernel)"
+  isa, threads = lib.pspec_panel_matmul_isa().decode(), lib.pspec_panel_matmul_threads()
+  return f"panel kernel ({isa}, {threads} threads)"
+
+
+def matmul(x_MK: jax.Array, w_PKC: jax.Array, n: int) -> jax.Array:
+  """x @ W with the kernel: [M, K] x [P, K, 64] (float32 or bfloat16) -> [M, n] float32.
+
+  Call only where `available()` and on a CPU (`panels.matmul` does both checks).
+  """
+  if _library() is None:
+    raise RuntimeError("the CPU panel kernel is not available")
+  m = x_MK.shape[0]
+  if not 1 <= m <= MAX_ROWS:
+    raise ValueError(f"the CPU panel kernel takes 1 to {MAX_ROWS} rows, got {m}")
+  out = jax.ShapeDtypeStruct((m, n), jnp.float32)
+  return jax.ffi.ffi_call(_TARGET, out, vmap_method="sequential")(x_MK.astype(jnp.float32), w_PKC)

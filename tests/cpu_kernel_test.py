@@ -1,0 +1,151 @@
+"""The CPU panel kernel (`pspec_jax.cpu_kernel`) against numpy, and XLA's path where it is off.
+
+The kernel is built on every machine with a C++ compiler (`make setup`), so these tests expect
+it; the fallback is tested in fresh processes where it is turned off or cannot be built.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pspec_jax import cpu_kernel, panels, testing
+
+# M rows, K inputs, N outputs: N and K on and off multiples of the 64-column panel and of the
+# kernel's 128-row blocks, every M up to 16 and the most rows the kernel takes.
+SHAPES = [(m, 96 + 37 * m, 50 + 61 * m) for m in range(1, 17)]
+SHAPES += [(4, 576, 192), (6, 1536, 576), (cpu_kernel.MAX_ROWS, 129, 130), (3, 1, 1)]
+
+kernel_matmul = jax.jit(cpu_kernel.matmul, static_argnums=2)
+
+
+def _exact(x, w_KN):
+  return np.asarray(x, np.float64) @ np.asarray(w_KN, np.float64)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built():
+  assert cpu_kernel.available(), cpu_kernel.describe()
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_kernel_equals_numpy(m, k, n, dtype):
+  rng = np.random.default_rng(m * 7919 + k * 31 + n)
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((k, n)), dtype)  # exact in either dtype from here on
+  got = kernel_matmul(x, panels.pack(w), n)
+  assert got.shape == (m, n) and got.dtype == jnp.float32
+  # float32 sums of k products: rounding only.
+  np.testing.assert_allclose(np.asarray(got), _exact(x, w.astype(jnp.float32)), atol=2e-6 * k)
+
+
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
+  # Every M, every position in the row blocks: bit for bit the row computed alone.
+  rng = np.random.default_rng(0)
+  for k, n in ((576, 192), (1536, 130), (300, 64)):
+    w = panels.pack(jnp.asarray(rng.standard_normal((k, n)), jnp.float32))
+    x = jnp.asarray(rng.standard_normal((17, k)), jnp.float32)
+    alone = np.stack([np.asarray(kernel_matmul(x[i : i + 1], w, n))[0] for i in range(17)])
+    for m in range(2, 18):
+      np.testing.assert_array_equal(np.asarray(kernel_matmul(x[:m], w, n)), alone[:m])
+
+
+def test_panel_products_use_the_kernel_on_the_cpu_and_xla_past_its_rows():
+  w = panels.pack(jnp.ones((64, 70), jnp.float32))
+
+  def hlo(m):
+    f = jax.jit(lambda x: panels.matmul(x, w, 70))
+    return f.lower(jnp.ones((m, 64), jnp.float32)).as_text()
+
+  assert "pspec_panel_matmul" in hlo(1) and "pspec_panel_matmul" in hlo(cpu_kernel.MAX_ROWS)
+  assert "pspec_panel_matmul" not in hlo(cpu_kernel.MAX_ROWS + 1)  # a prefill: XLA's GEMM
+  with cpu_kernel.disabled():
+    assert not cpu_kernel.available()
+    assert "pspec_panel_matmul" not in hlo(1)
+  assert cpu_kernel.available()
+
+
+def test_calls_from_several_threads_at_once_each_get_their_own_product():
+  # XLA may run independent products at once; the second caller computes alone.
+  rng = np.random.default_rng(1)
+  k, n = 576, 1536
+  w_KN = rng.standard_normal((k, n)).astype(np.float32)
+  w = panels.pack(jnp.asarray(w_KN))
+  xs = [jnp.asarray(rng.standard_normal((1 + i % 5, k)), jnp.float32) for i in range(8)]
+  want = [np.asarray(kernel_matmul(x, w, n)) for x in xs]
+  errors = []
+
+  def run(i):
+    for _ in range(20):
+      if not np.array_equal(np.asarray(kernel_matmul(xs[i], w, n)), want[i]):
+        errors.append(i)
+
+  threads = [threading.Thread(target=run, args=(i,)) for i in range(len(xs))]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert not errors
+  np.testing.assert_allclose(want[0], _exact(xs[0], w_KN), atol=2e-6 * k)
+
+
+def test_too_many_rows_is_one_clear_error():
+  with pytest.raises(ValueError, match="1 to 64 rows"):
+    cpu_kernel.matmul(jnp.ones((65, 8)), panels.pack(jnp.ones((8, 8))), 8)
+
+
+_CHECK = textwrap.dedent(
+  """
+  import jax, jax.numpy as jnp, numpy as np
+  from pspec_jax import cpu_kernel, panels
+  rng = np.random.default_rng(2)
+  w_KN = rng.standard_normal((300, 130)).astype(np.float32)
+  w = panels.pack(jnp.asarray(w_KN))
+  x = rng.standard_normal((9, 300)).astype(np.float32)
+  f = jax.jit(lambda x: panels.matmul(x, w, 130))
+  got = np.asarray(f(jnp.asarray(x)))
+  np.testing.assert_allclose(got, x.astype(np.float64) @ w_KN, atol=1e-3)
+  alone = np.asarray(f(jnp.asarray(x[4:5])))
+  assert np.array_equal(got[4:5], alone)
+  print(cpu_kernel.describe(), "custom call" in f.lower(jnp.asarray(x)).as_text().replace(
+      "pspec_panel_matmul", "custom call"))
+  """
+)
+
+
+def _run(**env):
+  done = subprocess.run(
+    [sys.executable, "-c", _CHECK],
+    env=testing.cli_env() | env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert done.returncode == 0, done.stderr
+  return done.stdout.strip(), done.stderr
+
+
+def test_the_portable_path_and_one_thread_give_the_same_products():
+  out, _ = _run(PSPEC_JAX_CPU_KERNEL_ISA="portable", PSPEC_JAX_CPU_KERNEL_THREADS="1")
+  assert out == "panel kernel (portable, 1 threads) True"
+
+
+def test_turned_off_panel_products_take_xla_and_stay_right():
+  out, _ = _run(PSPEC_JAX_CPU_KERNEL="off")
+  assert out == "XLA (no CPU panel kernel) False"
+
+
+@pytest.mark.parametrize("cxx", ["no-such-compiler", "false"])
+def test_without_a_working_compiler_panel_products_take_xla_and_say_why(tmp_path, cxx):
+  out, err = _run(PSPEC_JAX_CACHE=str(tmp_path), CXX=cxx)
+  assert out == "XLA (no CPU panel kernel) False"
+  why = "no C++ compiler" if cxx == "no-such-compiler" else "building the CPU panel kernel failed"
+  assert f"CPU panel kernel unavailable, using XLA: {why}" in err
+  assert not [f for _, _, files in os.walk(tmp_path) for f in files]  # nothing half-built
