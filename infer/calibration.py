@@ -31,7 +31,7 @@ import numpy as np
 
 import pspec_jax
 from infer import measure as measure_lib
-from pspec_jax import adaptive, decode
+from pspec_jax import adaptive, cpu_kernel, decode
 from pspec_jax import drafter as drafter_lib
 from pspec_jax import prompts as prompts_lib
 from pspec_jax import propose as propose_lib
@@ -46,10 +46,14 @@ def default_path() -> str:
 
 
 def machine_key(target, batch: int) -> str:
-  """The calibration's key: device kind, target, dtype, batch size."""
+  """The calibration's key: device kind, target, dtype, batch size, and for panel weights
+  which product runs them (the CPU panel kernel or XLA's path cost very differently)."""
   device = jax.devices()[0]
   dtype = np.dtype(target.cfg.dtype).name
-  return f"{device.platform}:{device.device_kind}|{target.cfg.name}|{dtype}|batch={batch}"
+  key = f"{device.platform}:{device.device_kind}|{target.cfg.name}|{dtype}|batch={batch}"
+  if target.cfg.weight_layout == "panels":
+    key += f"|panels: {cpu_kernel.describe()}"
+  return key
 
 
 def candidate_key(drafter, candidate) -> str:

@@ -124,9 +124,9 @@ def disabled():
 
 def describe() -> str:
   """One line on the kernel in use, for reports: its instruction set and threads, or why not."""
-  lib = _library()
-  if lib is None:
+  if not available():
     return "XLA (no CPU panel kernel)"
+  lib = _library()
   isa, threads = lib.pspec_panel_matmul_isa().decode(), lib.pspec_panel_matmul_threads()
   return f"panel kernel ({isa}, {threads} threads)"
 

@@ -7,7 +7,7 @@ import jax
 import pytest
 
 from infer import calibration
-from pspec_jax import decode, llama, testing
+from pspec_jax import cpu_kernel, decode, llama, testing
 
 TREE = "adaptive:paths:0|lookup:3"
 PROMPT = [5, 9, 2, 13, 7]
@@ -76,11 +76,21 @@ def test_costs_are_measured_again_when_the_machine_key_changes(
   costs(bf16, tmp_path)  # dtype
   assert len(fake_measure) == 4
   device = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
+  cpu_devices = jax.devices
   monkeypatch.setattr(jax, "devices", lambda: [device])
   costs(target, tmp_path)  # device
   assert len(fake_measure) == 5
   machines = json.loads((tmp_path / "costs.json").read_text())["machines"]
   assert len(machines) == 5 and any(k.startswith("gpu:NVIDIA H100") for k in machines)
+  monkeypatch.setattr(jax, "devices", cpu_devices)
+  packed = target.with_weight_layout("panels")
+  costs(packed, tmp_path)  # panel weights, through the CPU panel kernel
+  with cpu_kernel.disabled():
+    costs(packed, tmp_path)  # ... and through XLA
+  assert len(fake_measure) == 7
+  machines = json.loads((tmp_path / "costs.json").read_text())["machines"]
+  assert sum("|panels: panel kernel (" in k for k in machines) == 1
+  assert sum("|panels: XLA" in k for k in machines) == 1
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from pspec_jax import drafter as drafter_lib
 
 # M rows, K inputs, N outputs: N and K on and off multiples of the 64-column panel.
 SHAPES = [(1, 100, 130), (2, 64, 64), (3, 70, 200), (4, 576, 192), (5, 128, 65), (8, 33, 300)]
-SHAPES += [(11, 96, 129), (16, 64, 1)]
+SHAPES += [(11, 96, 129), (16, 64, 1), (80, 70, 130)]  # 80 rows: a prefill
 
 
 @pytest.fixture(autouse=True, params=["kernel", "xla"])
