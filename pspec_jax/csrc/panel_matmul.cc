@@ -99,29 +99,25 @@ __attribute__((target("avx2,fma"), always_inline)) inline void tile_avx2(
     for (int c = 0; c < C; ++c) _mm256_store_ps(acc + r * kWidth + c0 + 8 * c, a[r][c]);
 }
 
+// R rows across the whole panel, C vectors of columns at a time.
+template <typename W, int R, int C>
+__attribute__((target("avx2,fma"), always_inline)) inline void rows_avx2(
+    const float* x, int64_t ldx, const W* wp, int64_t k0, int64_t k1, float* acc, Ahead& ahead) {
+  for (int64_t c0 = 0; c0 < kWidth; c0 += 8 * C)
+    tile_avx2<W, R, C>(x, ldx, wp, k0, k1, c0, acc, ahead);
+}
+
 // The last `rows` (< 6) rows, in the tile shape that fits the registers.
 template <typename W>
 __attribute__((target("avx2,fma"))) inline void rest_avx2(
     int64_t rows, const float* x, int64_t ldx, const W* wp, int64_t k0, int64_t k1, float* acc,
     Ahead& ahead) {
   switch (rows) {
-    case 1: return tile_avx2<W, 1, 8>(x, ldx, wp, k0, k1, 0, acc, ahead);
-    case 2:
-      for (int64_t c0 = 0; c0 < kWidth; c0 += 32)
-        tile_avx2<W, 2, 4>(x, ldx, wp, k0, k1, c0, acc, ahead);
-      return;
-    case 3:
-      for (int64_t c0 = 0; c0 < kWidth; c0 += 16)
-        tile_avx2<W, 3, 2>(x, ldx, wp, k0, k1, c0, acc, ahead);
-      return;
-    case 4:
-      for (int64_t c0 = 0; c0 < kWidth; c0 += 16)
-        tile_avx2<W, 4, 2>(x, ldx, wp, k0, k1, c0, acc, ahead);
-      return;
-    case 5:
-      for (int64_t c0 = 0; c0 < kWidth; c0 += 16)
-        tile_avx2<W, 5, 2>(x, ldx, wp, k0, k1, c0, acc, ahead);
-      return;
+    case 1: return rows_avx2<W, 1, 8>(x, ldx, wp, k0, k1, acc, ahead);
+    case 2: return rows_avx2<W, 2, 4>(x, ldx, wp, k0, k1, acc, ahead);
+    case 3: return rows_avx2<W, 3, 2>(x, ldx, wp, k0, k1, acc, ahead);
+    case 4: return rows_avx2<W, 4, 2>(x, ldx, wp, k0, k1, acc, ahead);
+    case 5: return rows_avx2<W, 5, 2>(x, ldx, wp, k0, k1, acc, ahead);
   }
 }
 
@@ -144,8 +140,7 @@ __attribute__((target("avx2,fma"))) void panel_avx2(const Problem& p, int64_t pa
                 reinterpret_cast<const char*>(wp + k2 * kWidth)};
     int64_t r = 1;
     for (; r + 6 <= p.m; r += 6)
-      for (int64_t c0 = 0; c0 < kWidth; c0 += 16)
-        tile_avx2<W, 6, 2>(p.x + r * p.k, p.k, wp, k0, k1, c0, acc + r * kWidth, ahead);
+      rows_avx2<W, 6, 2>(p.x + r * p.k, p.k, wp, k0, k1, acc + r * kWidth, ahead);
     rest_avx2<W>(p.m - r, p.x + r * p.k, p.k, wp, k0, k1, acc + r * kWidth, ahead);
   }
   const int64_t c0 = panel * kWidth, cols = std::min(kWidth, p.n - c0);
