@@ -84,6 +84,11 @@ def training_config(
       # V': the drafter proposes only the V' tokens trained on most often (a cheaper LM head
       # in training and decoding); 0: the target's whole vocabulary.
       draft_vocab_size=0,
+      num_layers=1,  # decoder layers (pspec, eagle)
+      # Target layers (0-based) whose hidden states the drafter reads, fused (EAGLE-3: low,
+      # middle and high, e.g. (2, 15, 27) of 30); (): the final feature alone.
+      feature_layers=(),
+      mask_input="per_depth",  # pspec's mask-slot inputs: per_depth | shared (one vector)
     )
   )
   c.data = ml_collections.ConfigDict(
@@ -115,6 +120,10 @@ def training_config(
       temperature=1.0,
       feature_weight=0.0,  # feature regression (smooth L1) on real pairs; eagle uses it
       anchors=64,  # pspec: anchors per sequence that get K-1 mask slots (0: every pair)
+      # COD: mask slot d is trained on max(keep_ratio^d, keep_floor) of the anchors (nested),
+      # so the slots' cost grows slower with K (P-EAGLE: 0.7 and 0.2); 1.0 keeps them all.
+      keep_ratio=1.0,
+      keep_floor=0.0,
       chunk=512,  # rows of the LM head computed at once in the loss
       remat=True,  # recompute logits in the backward pass (saves memory, costs time)
     )

@@ -125,7 +125,7 @@ def measure(target, drafter, pool, batch: int, ids: list[int], repeats: int = 15
   kept = pool.max_depth + 1
   pairs = propose_lib.Pairs(
     tokens=jnp.ones((batch, kept), jnp.int32),
-    features=jnp.ones((batch, kept, target.cfg.hidden_size), target.cfg.dtype),
+    features=jnp.ones((batch, kept, drafter.cfg.feature_width), target.cfg.dtype),
     count=jnp.ones((batch,), jnp.int32),
   )
   plan = decode.make_plan(base, drafter, tokens.shape[1])

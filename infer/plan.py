@@ -65,7 +65,7 @@ def decode_memory_table(
     if d.kind in ("pspec", "eagle"):
       layer = d.layer
       rows[f"drafter KV cache ({d.kind})"] = cache_bytes(
-        1, layer.num_kv_heads, layer.head_dim, max_len
+        d.num_layers, layer.num_kv_heads, layer.head_dim, max_len
       )
   seqs = max(batch // (shape[0] * shape[1]), 1)
   tensor = shape[2]

@@ -3,11 +3,14 @@
 Every kind reads the target through its features f_t and shares the target's embedding and LM
 head (passed in at apply time, never part of the drafter's parameters):
 
-- `pspec`: pair t is u_t = Fuse([embed(x_{t+1}); f_t]) at position t; one decoder layer (the
-  target's block, its own width settings) and a norm give g_t, whose logits W·g_t predict
-  x_{t+2}. K-1 learned mask vectors m_d are appended after the last real pair a, at positions
-  a + d; slot (a, d) sees the real pairs up to a and the slots (a, d' <= d), and predicts
-  x_{a+d+2}. One pass proposes x_{a+2} .. x_{a+K+1}.
+- `pspec`: pair t is u_t = Fuse([embed(x_{t+1}); h_t]) at position t, h_t the target feature it
+  reads (f_t, or with `feature_layers` the hidden states of those target layers projected to D
+  and normed, EAGLE-3 style); `num_layers` decoder layers (the target's block, its own width
+  settings) and a norm give g_t, whose logits W·g_t predict x_{t+2}. K-1 mask slots are
+  appended after the last real pair a, at positions a + d, their inputs learned vectors m_d
+  (`mask_input="per_depth"`) or one learned vector m (`"shared"`); slot (a, d) sees the real
+  pairs up to a and the slots (a, d' <= d), and predicts x_{a+d+2}. One pass proposes
+  x_{a+2} .. x_{a+K+1}.
 - `eagle`: the same layer run auto-regressively (EAGLE-1): g_t also stands in for f_{t+1}, so a
   tree node's pair is (g of its parent, its token); the tree is drafted level by level.
 - `medusa`: K residual heads on the last feature; head d predicts x_{t+d+1} from f_t.
@@ -19,7 +22,6 @@ head (passed in at apply time, never part of the drafter's parameters):
 The drafting itself, each round, is in `propose`.
 """
 
-import dataclasses
 from typing import Any
 
 import flax.linen as nn
@@ -27,12 +29,14 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from pspec_jax import layers, panels, tree_specs
+from pspec_jax import layers, panels
+from pspec_jax.drafter_config import KINDS, MASK_INPUTS, DrafterConfig
 from pspec_jax.kv_cache import KVCache
-from pspec_jax.llama import Block, LlamaConfig, RopeScaling, Target
+from pspec_jax.llama import Block, Target
 
 __all__ = [
   "KINDS",
+  "MASK_INPUTS",
   "Drafter",
   "DrafterConfig",
   "FeatureDrafter",
@@ -41,132 +45,18 @@ __all__ = [
   "init_params",
   "module",
   "random_drafter",
+  "read_target",
 ]
-
-KINDS = ("pspec", "eagle", "medusa", "pld")
-Dtype = Any
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DrafterConfig:
-  """A drafter's kind, draft length, decoder-layer widths and the target it was built for.
-
-  Attributes:
-    kind: one of KINDS.
-    num_draft: K, the draft tokens per round it was built for (pspec: K-1 mask vectors;
-      medusa: K heads). Decoding may use fewer.
-    tree: the tree preset it is meant to decode with (`tree_specs.parse`), greedy.
-    sampling_tree: the tree it decodes with at temperature > 0; "" is `tree`. Sampled drafts
-      are accepted less often than greedy ones, so a smaller tree (or prompt lookup alone)
-      can be the faster one there.
-    adaptive: the candidate trees (`A|B|...`) the tree `adaptive` chooses from each round;
-      "" is `tree_specs.ADAPTIVE`.
-    target_name, vocab_size, hidden_size: identity of the target (checked at load time).
-    num_heads, num_kv_heads, head_dim, intermediate_size: the drafter layer's widths.
-    rope_theta, rope_scaling, rms_norm_eps: as the target's.
-    max_ngram: pld's longest n-gram.
-    draft_vocab_size: V', the tokens the drafter can propose (the most frequent ones of its
-      training data, stored with it); 0 means the target's whole vocabulary. A smaller draft
-      vocabulary makes the drafter's LM head (the target's, restricted to those rows) cheaper.
-    weight_layout: how its dense weights are stored (`LlamaConfig.weight_layout`): the
-      target's, chosen when the target is loaded; never written to a drafter file.
-  """
-
-  kind: str
-  num_draft: int = 4
-  tree: str = "chain"
-  sampling_tree: str = ""
-  adaptive: str = ""
-  target_name: str
-  vocab_size: int
-  hidden_size: int
-  num_heads: int = 1
-  num_kv_heads: int = 1
-  head_dim: int = 0
-  intermediate_size: int = 1
-  rope_theta: float = 10000.0
-  rope_scaling: RopeScaling | None = None
-  rms_norm_eps: float = 1e-5
-  max_ngram: int = 3
-  draft_vocab_size: int = 0
-  weight_layout: str = "plain"
-  dtype: Dtype = jnp.float32
-  param_dtype: Dtype = jnp.float32
-
-  def __post_init__(self):
-    if self.kind not in KINDS:
-      raise ValueError(f"unknown drafter kind {self.kind!r}: use one of {', '.join(KINDS)}")
-    if self.num_draft < 1:
-      raise ValueError(f"DrafterConfig.num_draft (K) must be >= 1, got {self.num_draft}")
-    if self.max_ngram < 1:
-      raise ValueError(f"DrafterConfig.max_ngram must be >= 1, got {self.max_ngram}")
-    if not 0 <= self.draft_vocab_size <= self.vocab_size:
-      raise ValueError(
-        f"DrafterConfig.draft_vocab_size must be in [0, {self.vocab_size}], "
-        f"got {self.draft_vocab_size}"
-      )
-    for tree in (self.tree, self.sampling_tree, self.adaptive and "adaptive"):
-      if tree:  # fails early on an unknown preset
-        tree_specs.parse(self.resolve_tree(tree), self.num_draft)
-
-  @classmethod
-  def for_target(cls, kind: str, target: LlamaConfig, **overrides) -> "DrafterConfig":
-    """A drafter whose layer has the target's block widths."""
-    settings = dict(
-      kind=kind,
-      target_name=target.name,
-      vocab_size=target.vocab_size,
-      hidden_size=target.hidden_size,
-      num_heads=target.num_heads,
-      num_kv_heads=target.num_kv_heads,
-      head_dim=target.head_dim,
-      intermediate_size=target.intermediate_size,
-      rope_theta=target.rope_theta,
-      rope_scaling=target.rope_scaling,
-      rms_norm_eps=target.rms_norm_eps,
-      weight_layout=target.weight_layout,
-      dtype=target.dtype,
-      param_dtype=target.param_dtype,
-    )
-    return cls(**(settings | overrides))
-
-  @property
-  def layer(self) -> LlamaConfig:
-    """The decoder layer's config (the target's block type)."""
-    return LlamaConfig(
-      name=f"{self.kind}-drafter",
-      vocab_size=self.vocab_size,
-      hidden_size=self.hidden_size,
-      intermediate_size=self.intermediate_size,
-      num_layers=1,
-      num_heads=self.num_heads,
-      num_kv_heads=self.num_kv_heads,
-      head_dim=self.head_dim,
-      rope_theta=self.rope_theta,
-      rope_scaling=self.rope_scaling,
-      rms_norm_eps=self.rms_norm_eps,
-      scan_layers=False,
-      weight_layout=self.weight_layout,
-      dtype=self.dtype,
-      param_dtype=self.param_dtype,
-    )
-
-  def replace(self, **changes) -> "DrafterConfig":
-    return dataclasses.replace(self, **changes)
-
-  def tree_for(self, greedy: bool) -> str:
-    """The tree this drafter decodes with, greedy or sampling."""
-    return self.tree if greedy else self.sampling_tree or self.tree
-
-  def resolve_tree(self, tree: str) -> str:
-    """`tree` with `adaptive` spelled out as this drafter's candidate set."""
-    if tree == "adaptive" and self.adaptive:
-      return f"adaptive:{self.adaptive}"
-    return tree
 
 
 class FeatureDrafter(nn.Module):
-  """`pspec` and `eagle`: Fuse([embed(x_{t+1}); f_t]) -> one decoder layer -> norm."""
+  """`pspec` and `eagle`: Fuse([embed(x_{t+1}); h_t]) -> `num_layers` decoder layers -> norm.
+
+  Parameters: `fuse`, `block` (then `block_1`, ... for deeper drafters), `norm`; with
+  `feature_layers` `feature_fuse` and `feature_norm`; pspec's `mask_slots` [K-1, D] (per depth)
+  or `mask_vector` [D] (shared). A default drafter has exactly the parameters of EAGLE-1's
+  layout, so drafter files written before these options load unchanged.
+  """
 
   cfg: DrafterConfig
 
@@ -174,62 +64,108 @@ class FeatureDrafter(nn.Module):
     cfg, d = self.cfg, self.cfg.hidden_size
     init = nn.initializers.normal(0.02)
     self.fuse = layers.dense_param(self, "fuse", (2 * d,), (d,), ("fused", "embed"), cfg.layer)
+    if cfg.feature_layers:
+      e = cfg.feature_width
+      self.feature_fuse = layers.dense_param(
+        self, "feature_fuse", (e,), (d,), ("fused", "embed"), cfg.layer
+      )
+      self.feature_norm = layers.RMSNorm(cfg.layer)
     self.block = Block(cfg.layer)
+    for i in range(1, cfg.num_layers):
+      setattr(self, f"block_{i}", Block(cfg.layer))
     self.norm = layers.RMSNorm(cfg.layer)
-    if cfg.kind == "pspec":
+    if cfg.kind == "pspec" and cfg.mask_input == "shared":
+      self.mask_vector = layers.param(self, "mask_vector", init, (d,), ("embed",), cfg.param_dtype)
+    elif cfg.kind == "pspec":
       slots = (max(cfg.num_draft - 1, 1), d)
       self.mask_slots = layers.param(
         self, "mask_slots", init, slots, ("draft", "embed"), cfg.param_dtype
       )
 
-  def pairs(self, embeds_BTD, features_BTD):
-    """u_t = Fuse([embed(x_{t+1}); f_t])."""
+  @property
+  def blocks(self) -> list[Block]:
+    return [self.block] + [getattr(self, f"block_{i}") for i in range(1, self.cfg.num_layers)]
+
+  def features(self, features_BTE):
+    """h_t in the drafter's width: f_t as it is, or the feature layers' hidden states
+    projected to D by one dense and normed (their scale grows with depth in the target)."""
+    if not self.cfg.feature_layers:
+      return features_BTE
+    x = features_BTE.astype(self.cfg.dtype)
+    return self.feature_norm(
+      layers.dense(self.cfg.layer, x, self.feature_fuse, self.cfg.hidden_size)
+    )
+
+  def pairs(self, embeds_BTD, features_BTE):
+    """u_t = Fuse([embed(x_{t+1}); h_t]) from the target's features (`read_target`)."""
+    return self.fuse_pairs(embeds_BTD, self.features(features_BTE))
+
+  def fuse_pairs(self, embeds_BTD, h_BTD):
+    """Fuse([embed; h]) of an h already in the drafter's width (eagle's tree nodes pass g)."""
     dt = self.cfg.dtype
-    x = jnp.concatenate([embeds_BTD.astype(dt), features_BTD.astype(dt)], axis=-1)
+    x = jnp.concatenate([embeds_BTD.astype(dt), h_BTD.astype(dt)], axis=-1)
     return layers.dense(self.cfg.layer, x, self.fuse, self.cfg.hidden_size)
 
   def slots(self):
-    """The learned mask vectors m_1..m_{K-1}."""
+    """The mask-slot inputs m_1..m_{K-1} [K-1, D] (one shared vector repeated, if shared)."""
+    if self.cfg.mask_input == "shared":
+      m = self.mask_vector.astype(self.cfg.dtype)
+      return jnp.broadcast_to(m, (max(self.cfg.num_draft - 1, 1), m.shape[-1]))
     return self.mask_slots.astype(self.cfg.dtype)
 
   def __call__(self, x_BTD, positions_BT, mask_BTT, cache: KVCache):
-    """g_BTD (normed: the LM-head input) and the new keys/values [1, B, T, K, H]."""
-    layer_kv = cache.layer(0)
+    """g_BTD (normed: the LM-head input) and the new keys/values [L, B, T, K, H]."""
     mask_BTT = jnp.broadcast_to(mask_BTT, (x_BTD.shape[0], *mask_BTT.shape[-2:]))
-    x_BTD, (k, v) = self.block(x_BTD, layer_kv, positions_BT, mask_BTT, cache.lengths)
-    return self.norm(x_BTD), (k[None], v[None])
+    new_k, new_v = [], []
+    for i, block in enumerate(self.blocks):
+      x_BTD, (k, v) = block(x_BTD, cache.layer(i), positions_BT, mask_BTT, cache.lengths)
+      new_k.append(k)
+      new_v.append(v)
+    return self.norm(x_BTD), (jnp.stack(new_k), jnp.stack(new_v))
 
-  def train_forward(self, embeds_BTD, features_BTD, positions_BT, mask_BTT, slots=None):
+  def train_forward(self, embeds_BTD, features_BTE, positions_BT, mask_BTT, slots=None):
     """The training layout: real pairs, then (pspec) the mask-slot groups.
 
     Args:
-      embeds_BTD, features_BTD: pair t is (embed(x[t+1]), f[t]).
+      embeds_BTD, features_BTE: pair t is (embed(x[t+1]), h[t]).
       positions_BT, mask_BTT: the pairs' RoPE positions and attention (causal within each
         packed conversation).
       slots: a `losses.SlotLayout` (pspec), or None for the real pairs alone.
 
     Returns:
-      (g_BTD, g_BAPD or None): normed drafter features of the pairs and of the slots.
+      (g_BTD, slot groups): normed drafter features of the pairs, and of the slots one
+      [B, A_i, P_i, D] array per tier (i, P_i) of `slots.tiers` (None without slots).
     """
-    u = self.pairs(embeds_BTD, features_BTD)
-    x, kv = self.block(u, None, positions_BT, mask_BTT, None)
+    x = self.pairs(embeds_BTD, features_BTE)
+    kvs = []
+    for block in self.blocks:
+      x, kv = block(x, None, positions_BT, mask_BTT, None)
+      kvs.append(kv)
     if slots is None:
       return self.norm(x), None
-    b, a, p = slots.positions.shape
-    m = jnp.broadcast_to(self.slots()[:p], (b, a, p, u.shape[-1]))
-    keys = jnp.arange(u.shape[1])
-    sees_BAT = (keys >= slots.first[..., None]) & (keys < slots.visible[..., None])
-    y = self.block.grouped(m, slots.positions, kv, sees_BAT)
-    return self.norm(x), self.norm(y)
+    keys = jnp.arange(x.shape[1])
+    groups = []
+    for lo, hi, p in slots.tiers:
+      first, visible = slots.first[:, lo:hi], slots.visible[:, lo:hi]
+      sees_BAT = (keys >= first[..., None]) & (keys < visible[..., None])
+      positions_BAP = slots.positions[:, lo:hi, :p]
+      y = jnp.broadcast_to(self.slots()[:p], (*positions_BAP.shape, x.shape[-1]))
+      # Layer l of a slot reads layer l's keys/values of the real pairs, as in decoding.
+      for block, kv in zip(self.blocks, kvs, strict=True):
+        y = block.grouped(y, positions_BAP, kv, sees_BAT)
+      groups.append(self.norm(y))
+    return self.norm(x), tuple(groups)
 
-  def init_all(self, features_BTD):
+  def init_all(self, embeds_BTD, features_BTE):
     """Touches every parameter (for `init`)."""
-    u = self.pairs(features_BTD, features_BTD)
+    u = self.pairs(embeds_BTD, features_BTE)
     if self.cfg.kind == "pspec":
       u = u + self.slots()[0]
     positions = jnp.zeros(u.shape[:2], jnp.int32)
     mask = jnp.ones((1, u.shape[1], u.shape[1]), jnp.bool_)
-    return self.norm(self.block(u, None, positions, mask, None)[0])
+    for block in self.blocks:
+      u = block(u, None, positions, mask, None)[0]
+    return self.norm(u)
 
 
 class MedusaHeads(nn.Module):
@@ -256,10 +192,11 @@ def init_boxed(cfg: DrafterConfig, key: jax.Array) -> dict:
   """Random parameters, each boxed with its logical axis names; `pld` has none."""
   if cfg.kind == "pld":
     return {}
-  features = jnp.zeros((1, 1, cfg.hidden_size), cfg.dtype)
+  embeds = jnp.zeros((1, 1, cfg.hidden_size), cfg.dtype)
   if cfg.kind == "medusa":
-    return MedusaHeads(cfg).init(key, features[:, 0])["params"]
-  return FeatureDrafter(cfg).init(key, features, method=FeatureDrafter.init_all)["params"]
+    return MedusaHeads(cfg).init(key, embeds[:, 0])["params"]
+  features = jnp.zeros((1, 1, cfg.feature_width), cfg.dtype)
+  return FeatureDrafter(cfg).init(key, embeds, features, method=FeatureDrafter.init_all)["params"]
 
 
 def init_params(cfg: DrafterConfig, key: jax.Array) -> dict:
@@ -325,7 +262,7 @@ class Drafter:
       return None
     layer = self.cfg.layer
     return KVCache.zeros(
-      num_layers=1,
+      num_layers=self.cfg.num_layers,
       batch=batch,
       max_len=max_len,
       num_kv_heads=layer.num_kv_heads,
@@ -343,3 +280,20 @@ def random_drafter(kind: str, target: Target, key: jax.Array, **overrides) -> Dr
   plain = cfg.replace(weight_layout="plain")
   drafter = Drafter(cfg=plain, params=init_params(plain, key), vocab=vocab)
   return drafter.with_weight_layout(cfg.weight_layout)
+
+
+def read_target(
+  target: Target, cfg: DrafterConfig | None, tokens_BT, positions_BT, cache=None, mask_BTT=None
+):
+  """One target pass for a drafter: (f_BTD, h_BTE, kv).
+
+  f is the target's final feature (its LM-head input), h the feature the drafter reads: f
+  itself, or with `cfg.feature_layers` those layers' hidden states concatenated
+  (E = len(feature_layers) * D), from the same pass. `cfg` None (no drafter) reads f.
+  """
+  taps = () if cfg is None else cfg.feature_layers
+  if not taps:
+    features_BTD, kv = target(tokens_BT, positions_BT, cache, mask_BTT)
+    return features_BTD, features_BTD, kv
+  features_BTD, kv, hidden_BTE = target(tokens_BT, positions_BT, cache, mask_BTT, taps)
+  return features_BTD, hidden_BTE, kv

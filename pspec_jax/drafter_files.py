@@ -1,12 +1,14 @@
 """Drafter files: a directory with `drafter.json` (config) and `drafter.safetensors` (params).
 
 The JSON records the drafter's kind, K, tree presets (greedy and optionally sampling, the
-candidate set of its `adaptive` tree, plus per-device ones, `device_trees`), layer widths and
-the identity of the target it was built for (name, vocab size, feature width); loading it
-against another target is one clear error. Parameters are stored flat (`block/attn/q`, ...),
-in float32 or bfloat16, next to the token ids of a restricted draft vocabulary (`draft_vocab`),
-if the drafter has one. A drafter directory may be local or a URL such as gs://bucket/export:
-both are written and read through `etils.epath`.
+candidate set of its `adaptive` tree, plus per-device ones, `device_trees`), layer widths, its
+architecture options (`num_layers`, `feature_layers`, `mask_input`; absent in older files, which
+are the defaults) and the identity of the target it was built for (name, vocab size, feature
+width); loading it against another target is one clear error. A file that uses an architecture
+option has format version 2, which older readers refuse instead of misreading it. Parameters
+are stored flat (`block/attn/q`, ...), in float32 or bfloat16, next to the token ids of a
+restricted draft vocabulary (`draft_vocab`), if the drafter has one. A drafter directory may
+be local or a URL such as gs://bucket/export: both are written and read through `etils.epath`.
 """
 
 import json
@@ -39,7 +41,9 @@ __all__ = [
   "shipped_drafter",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Architecture options (DrafterConfig fields) and their defaults, which version-1 files have.
+_ARCH_DEFAULTS = dict(num_layers=1, feature_layers=(), mask_input="per_depth")
 CONFIG_FILE = "drafter.json"
 PARAMS_FILE = "drafter.safetensors"
 VOCAB_TENSOR = "draft_vocab"  # int32 token ids of a restricted draft vocabulary
@@ -71,8 +75,9 @@ def save_drafter(
 
   drafter = drafter.with_weight_layout("plain")  # files hold the plain layout
   cfg = drafter.cfg
+  arch = {f: getattr(cfg, f) for f in _ARCH_DEFAULTS}
   config = dict(
-    format_version=FORMAT_VERSION,
+    format_version=1 if arch == _ARCH_DEFAULTS else FORMAT_VERSION,
     kind=cfg.kind,
     num_draft=cfg.num_draft,
     tree=cfg.tree,
@@ -83,7 +88,8 @@ def save_drafter(
     | dict(rope_scaling=None if cfg.rope_scaling is None else vars(cfg.rope_scaling)),
     max_ngram=cfg.max_ngram,
     draft_vocab_size=cfg.draft_vocab_size,
-  ) | (extra or {})
+  ) | ({} if arch == _ARCH_DEFAULTS else arch | dict(feature_layers=list(cfg.feature_layers)))
+  config |= extra or {}
   out = epath.Path(directory)
   out.mkdir(parents=True, exist_ok=True)
   flat = traverse_util.flatten_dict(jax.device_get(drafter.params), sep="/")
@@ -156,11 +162,19 @@ def read_drafter_config(
       adaptive=str(trees.get("adaptive", config.get("adaptive", ""))),
       max_ngram=int(config.get("max_ngram", 3)),
       draft_vocab_size=int(config.get("draft_vocab_size", 0)),
+      num_layers=int(config.get("num_layers", 1)),
+      feature_layers=tuple(int(i) for i in config.get("feature_layers", ())),
+      mask_input=str(config.get("mask_input", "per_depth")),
       rope_scaling=None if scaling is None else RopeScaling(**scaling),
       **{f: kind(layer[f]) for f, kind in _LAYER_FIELDS.items() if f in layer},
     )
   except (ValueError, KeyError, TypeError, AttributeError) as e:
     raise ValueError(f"corrupt drafter config {config_path}: {e}") from None
+  if any(i >= target.num_layers for i in cfg.feature_layers):
+    raise ValueError(
+      f"the drafter in {directory} reads target layers {cfg.feature_layers}, but "
+      f"{target.name!r} has {target.num_layers}"
+    )
   return cfg
 
 

@@ -107,6 +107,7 @@ DENSE_AXES = {
   "down": (1, 1),
   "lm_head": (1, 1),
   "fuse": (1, 1),
+  "feature_fuse": (1, 1),
 }
 
 

@@ -13,7 +13,9 @@ One forward serves every use, because it never writes the cache itself:
 
 It returns the final features f_t (after the final norm, i.e. the LM-head input) and the new
 tokens' keys and values; the caller decides which of them to write into the cache (all of them
-after prefill or plain decode, only the accepted path after verification). Logits come from
+after prefill or plain decode, only the accepted path after verification). Asked for `taps`,
+the same pass also returns the hidden states (the residual stream) after those decoder layers,
+which a drafter with `feature_layers` reads (docs/design.md section 2). Logits come from
 `Llama.logits(features)` so callers compute them only where they are needed.
 """
 
@@ -242,10 +244,28 @@ class Block(nn.Module):
     return x_BAPD + self.mlp(self.mlp_norm(x_BAPD))
 
 
+class _TappedBlock(Block):
+  """A scanned layer that also keeps its output if it is one of `taps`: the carry holds the
+  tapped hidden states [n, B, T, D] next to the residual stream (never all L layers' outputs)."""
+
+  taps: tuple[int, ...] = ()
+
+  def __call__(self, carry, cache_kv_and_index, positions_BT, mask_BTT, cache_len_B):
+    x_BTD, taps_nBTD = carry
+    cache_kv, index = cache_kv_and_index
+    x_BTD, kv = super().__call__(x_BTD, cache_kv, positions_BT, mask_BTT, cache_len_B)
+    here = (jnp.asarray(self.taps) == index)[:, None, None, None]
+    return (x_BTD, jnp.where(here, x_BTD[None].astype(taps_nBTD.dtype), taps_nBTD)), kv
+
+
 class Llama(nn.Module):
-  """The target: `__call__` gives features and new keys/values, `logits` the LM head."""
+  """The target: `__call__` gives features and new keys/values, `logits` the LM head.
+
+  `taps`: decoder layers (0-based) whose output hidden states `__call__` also returns.
+  """
 
   cfg: LlamaConfig
+  taps: tuple[int, ...] = ()
 
   def setup(self):
     cfg = self.cfg
@@ -261,15 +281,22 @@ class Llama(nn.Module):
       self.lm_head = layers.dense_param(
         self, "lm_head", (cfg.hidden_size,), (cfg.vocab_size,), ("embed", "vocab"), cfg
       )
+    bad = [i for i in self.taps if not 0 <= i < cfg.num_layers]
+    if bad or len(set(self.taps)) < len(self.taps):
+      raise ValueError(
+        f"feature layers {self.taps} must be distinct layers of {cfg.name!r}, 0 to "
+        f"{cfg.num_layers - 1}"
+      )
     if cfg.scan_layers:
+      tapped = dict(taps=self.taps) if self.taps else {}
       self.layers = nn.scan(
-        Block,
+        _TappedBlock if self.taps else Block,
         variable_axes={"params": 0},
         split_rngs={"params": True},
         in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
         length=cfg.num_layers,
         metadata_params={nn.PARTITION_NAME: "layers"},
-      )(cfg)
+      )(cfg, **tapped)
     else:
       self.layers = [Block(cfg) for _ in range(cfg.num_layers)]  # params `layers_{i}`
     self.norm = layers.RMSNorm(cfg)
@@ -293,7 +320,9 @@ class Llama(nn.Module):
 
     Returns:
       (features_BTD, (k_LBTKH, v_LBTKH)): final-norm features f_t and the new tokens' keys and
-      values, one entry per layer, ready for `KVCache.write`.
+      values, one entry per layer, ready for `KVCache.write`. With `taps`, a third entry:
+      hidden_BTE, the hidden states after the tapped layers concatenated in `taps` order
+      (E = len(taps) * D), from the same pass.
     """
     b, t = tokens_BT.shape
     if mask_BTT is None:
@@ -302,9 +331,18 @@ class Llama(nn.Module):
     x_BTD = jnp.take(self.embedding, tokens_BT, axis=0).astype(self.cfg.dtype)
     x_BTD = nn.with_logical_constraint(x_BTD, ("batch", "length", "embed"))
     cache_len_B = None if cache is None else cache.lengths
+    taps = []
     if self.cfg.scan_layers:
       cache_kv = None if cache is None else cache.stacked()
-      x_BTD, kv = self.layers(x_BTD, cache_kv, positions_BT, mask_BTT, cache_len_B)
+      if self.taps:
+        index = jnp.arange(self.cfg.num_layers)
+        carry = (x_BTD, jnp.zeros((len(self.taps), *x_BTD.shape), x_BTD.dtype))
+        (x_BTD, taps_nBTD), kv = self.layers(
+          carry, (cache_kv, index), positions_BT, mask_BTT, cache_len_B
+        )
+        taps = list(taps_nBTD)
+      else:
+        x_BTD, kv = self.layers(x_BTD, cache_kv, positions_BT, mask_BTT, cache_len_B)
     else:
       new_k, new_v = [], []
       for i, block in enumerate(self.layers):
@@ -312,8 +350,12 @@ class Llama(nn.Module):
         x_BTD, (k, v) = block(x_BTD, layer_kv, positions_BT, mask_BTT, cache_len_B)
         new_k.append(k)
         new_v.append(v)
+        taps += [x_BTD] if i in self.taps else []
+      taps = [taps[sorted(self.taps).index(i)] for i in self.taps]
       kv = (jnp.stack(new_k), jnp.stack(new_v))
-    return self.norm(x_BTD), kv
+    if not self.taps:
+      return self.norm(x_BTD), kv
+    return self.norm(x_BTD), kv, jnp.concatenate(taps, axis=-1)
 
   def logits(self, features_BTD: jax.Array) -> jax.Array:
     """LM head: float32 logits [B, T, V] from features f_t."""
@@ -342,9 +384,11 @@ class Target:
   cfg: LlamaConfig = struct.field(pytree_node=False)
   params: Any
 
-  def __call__(self, tokens_BT, positions_BT, cache=None, mask_BTT=None):
-    """Features and new keys/values; see `Llama.__call__`."""
-    return Llama(self.cfg).apply({"params": self.params}, tokens_BT, positions_BT, cache, mask_BTT)
+  def __call__(self, tokens_BT, positions_BT, cache=None, mask_BTT=None, taps=()):
+    """Features and new keys/values (and with `taps` the tapped hidden states); see
+    `Llama.__call__`."""
+    module = Llama(self.cfg, taps=tuple(taps))
+    return module.apply({"params": self.params}, tokens_BT, positions_BT, cache, mask_BTT)
 
   def with_scan_layers(self, scan: bool) -> "Target":
     """The same model with its layers scanned (stacked params) or looped (per-layer params)."""

@@ -1,14 +1,18 @@
 """Distillation layouts and losses for every drafter kind (docs/design.md sections 2 and 4).
 
 Tokens x[0..S-1] (0-based); the frozen target gives features f[t] and p_t = softmax(W f[t]/T),
-its distribution over x[t+1]. Each drafter kind turns a batch into *rows*: a draft feature,
-the teacher position whose distribution it is distilled towards, a loss weight and a depth
-(1..K, the draft position it trains). One chunked loss then serves every kind.
+its distribution over x[t+1], and h[t], the feature the drafter reads (f[t], or the hidden
+states of the drafter's `feature_layers`; `drafter.read_target`). Each drafter kind turns a
+batch into *rows*: a draft feature, the teacher position whose distribution it is distilled
+towards, a loss weight and a depth (1..K, the draft position it trains). One chunked loss then
+serves every kind.
 
-- pspec: real pair t = (f[t], x[t+1]) at position t gives g_t -> teacher t+1 (it predicts
+- pspec: real pair t = (h[t], x[t+1]) at position t gives g_t -> teacher t+1 (it predicts
   x[t+2]), depth 1. For a random subsample of A anchors a, mask slot (a, d), d = 1..K-1, at
   position a + d sees the real pairs <= a and the slots (a, d' <= d) and gives g_{a,d} ->
-  teacher a+d+1 (it predicts x[a+d+2]), depth d+1.
+  teacher a+d+1 (it predicts x[a+d+2]), depth d+1. With COD keep ratios (`LossConfig.keep_ratio`,
+  `keep_floor`), slot d exists for the first n_d = ceil(A * max(r^d, floor)) anchors only
+  (nested: a group keeps a prefix of its slots), so the slots' cost grows with K far slower.
 - eagle: the real pairs alone (depth 1), plus feature regression g_t ~ f[t+1].
 - medusa: head d on f[t] -> teacher t+d (it predicts x[t+d+1]), depth d.
 
@@ -18,6 +22,7 @@ several conversations (packing): attention, RoPE positions and weights never cro
 """
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +54,9 @@ class LossConfig:
     temperature: both distributions are softened by it.
     feature_weight: weight of the smooth-L1 regression g_t ~ f[t+1] on real pairs.
     anchors: pspec anchors per sequence with mask slots; 0 means every pair.
+    keep_ratio, keep_floor: COD (conditional drop) for pspec: the d-th mask slot (draft depth
+      d + 1) is trained on a fraction max(keep_ratio^d, keep_floor) of the anchors, nested (a
+      group keeps slots 1..p for some p). 1.0 keeps every slot of every anchor.
     chunk: rows whose logits are computed at once.
     remat: recompute each chunk's logits in the backward pass (memory: chunk x vocab floats)
       instead of keeping the softmaxes of every row (rows x vocab; faster when it fits).
@@ -58,6 +66,8 @@ class LossConfig:
   temperature: float = 1.0
   feature_weight: float = 0.0
   anchors: int = 64
+  keep_ratio: float = 1.0
+  keep_floor: float = 0.0
   chunk: int = 512
   remat: bool = True
 
@@ -70,6 +80,17 @@ class LossConfig:
       raise ValueError(f"LossConfig.temperature must be > 0, got {self.temperature}")
     if self.anchors < 0 or self.chunk < 1:
       raise ValueError("LossConfig.anchors must be >= 0 and LossConfig.chunk >= 1")
+    if not (0 < self.keep_ratio <= 1 and 0 <= self.keep_floor <= 1):
+      raise ValueError(
+        f"LossConfig.keep_ratio must be in (0, 1] and keep_floor in [0, 1], got "
+        f"{self.keep_ratio} and {self.keep_floor}"
+      )
+
+  def kept_anchors(self, num_anchors: int, num_slots: int) -> tuple[int, ...]:
+    """n_1 >= ... >= n_P: how many of `num_anchors` anchors keep mask slot d = 1..P (COD)."""
+    fractions = [max(self.keep_ratio**d, self.keep_floor) for d in range(1, num_slots + 1)]
+    # The small tolerance keeps 0.7 * 10 at 7 anchors, not 8.
+    return tuple(max(1, min(num_anchors, math.ceil(num_anchors * f - 1e-9))) for f in fractions)
 
 
 @struct.dataclass
@@ -81,7 +102,10 @@ class SlotLayout:
   first, visible: [B, A] the real pairs a group sees, [first, visible): those of its own
     conversation with position <= pos(a).
   teacher: [B, A, P] teacher index a + d + 1 of every slot.
-  weight: [B, A, P] loss weight: the loss mask of x[a + d + 2], if in a's conversation.
+  weight: [B, A, P] loss weight: the loss mask of x[a + d + 2], if in a's conversation, and 0
+    for a slot COD drops.
+  tiers: static ((lo, hi, p), ...): groups lo..hi-1 keep slots 1..p, the others none; the
+    drafter runs each tier as [B, hi - lo, p] slots, so dropped slots cost nothing.
   """
 
   anchors: jax.Array
@@ -90,6 +114,7 @@ class SlotLayout:
   visible: jax.Array
   teacher: jax.Array
   weight: jax.Array
+  tiers: tuple[tuple[int, int, int], ...] = struct.field(pytree_node=False, default=())
 
 
 def shifted(x_BS: jax.Array, by: int) -> jax.Array:
@@ -125,21 +150,30 @@ def real_weights(loss_mask_BS: jax.Array, segments_BS: jax.Array, depth: int = 1
 
 
 def slot_layout(
-  loss_mask_BS: jax.Array, segments_BS: jax.Array, num_slots: int, num_anchors: int, key
+  loss_mask_BS: jax.Array,
+  segments_BS: jax.Array,
+  num_slots: int,
+  num_anchors: int,
+  key,
+  kept: tuple[int, ...] | None = None,
 ) -> SlotLayout:
   """Chooses anchors and lays out their mask slots (jittable, shapes static).
 
   With `num_anchors` = 0 every pair anchors a group. Otherwise `num_anchors` anchors are drawn
   without replacement, uniformly among those whose first slot has a loss (x[a+3] trained);
   when there are fewer such anchors, the rest are drawn from the others and carry no loss.
+  `kept` (COD, `LossConfig.kept_anchors`): slot d exists for the first kept[d-1] anchors only;
+  anchors are then in that random order (every pair too, with `num_anchors` = 0).
   """
   b, s = loss_mask_BS.shape
-  if num_anchors == 0:
+  a = min(num_anchors or s, s)
+  kept = tuple(kept or (a,) * num_slots)
+  if num_anchors == 0 and kept[-1] == a:
     anchors = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
   else:
     useful = real_weights(loss_mask_BS, segments_BS, 2)
     score = jax.random.uniform(key, (b, s)) + useful
-    anchors = jax.lax.top_k(score, min(num_anchors, s))[1].astype(jnp.int32)
+    anchors = jax.lax.top_k(score, a)[1].astype(jnp.int32)
   d = jnp.arange(1, num_slots + 1, dtype=jnp.int32)
   take = lambda x_BS, index: jnp.take_along_axis(x_BS, index.reshape(b, -1), 1).reshape(index.shape)
   first = take(segment_starts(segments_BS), anchors)
@@ -149,6 +183,11 @@ def slot_layout(
   inside = jnp.minimum(predicts, s - 1)
   same = take(segments_BS, inside) == take(segments_BS, anchors)[..., None]
   weight = take(loss_mask_BS, inside) & same & (predicts < s)
+  # Groups [kept[p], kept[p - 1]) keep slots 1..p (kept[P] = 0).
+  bounds = (*kept, 0)
+  tiers = tuple((bounds[p], bounds[p - 1], p) for p in range(num_slots, 0, -1))
+  tiers = tuple(t for t in tiers if t[1] > t[0])
+  weight = weight & (jnp.arange(a)[:, None] < jnp.asarray(kept))
   return SlotLayout(
     anchors=anchors,
     positions=(anchors - first)[..., None] + d,
@@ -156,6 +195,7 @@ def slot_layout(
     visible=anchors + 1,
     teacher=jnp.minimum(anchors[..., None] + d + 1, s - 1),
     weight=weight.astype(jnp.float32),
+    tiers=tiers,
   )
 
 
@@ -250,21 +290,25 @@ def distill_rows(drafter, target, batch: dict, key, cfg: LossConfig):
     target: the frozen `llama.Target` (gradients stop at its features).
     batch: `tokens` [B, S] int, `loss_mask` [B, S] bool (True on tokens the drafter should
       learn to predict) and `segments` [B, S] int (the conversations packed into each row,
-      numbered from 1; 0 is padding); optionally `features` [B, S, D], the target's
-      features of these tokens computed beforehand, in which case the target is not run.
+      numbered from 1; 0 is padding); optionally `features` [B, S, D (+ E)], the target's
+      features of these tokens computed beforehand (`stored_features`: f, then h when the
+      drafter has feature layers), in which case the target is not run.
     key: draws the pspec anchors.
     cfg: the loss settings.
   """
-  from pspec_jax.drafter import FeatureDrafter
+  from pspec_jax.drafter import FeatureDrafter, read_target
 
   tokens_BS, loss_mask_BS, segments_BS = batch["tokens"], batch["loss_mask"], batch["segments"]
   b, s = tokens_BS.shape
   positions, mask = segment_positions(segments_BS), segment_mask(segments_BS)
   if "features" in batch:
-    features = batch["features"].astype(target.cfg.dtype)
+    stored = batch["features"].astype(target.cfg.dtype)
+    d = target.cfg.hidden_size
+    features, hidden = stored[..., :d], stored[..., d:] if drafter.cfg.feature_layers else None
+    hidden = features if hidden is None else hidden
   else:
-    features, _ = target(tokens_BS, positions, None, mask)
-  features = jax.lax.stop_gradient(features)
+    features, hidden, _ = read_target(target, drafter.cfg, tokens_BS, positions, None, mask)
+  features, hidden = jax.lax.stop_gradient((features, hidden))
   kind, k = drafter.cfg.kind, drafter.cfg.num_draft
   if kind == "medusa":
     heads_BSKD = drafter.apply(features.reshape(b * s, -1)).reshape(b, s, k, -1)
@@ -282,18 +326,20 @@ def distill_rows(drafter, target, batch: dict, key, cfg: LossConfig):
     raise ValueError(f"a {kind} drafter has nothing to train")
   layout = None
   if kind == "pspec" and k > 1:
-    layout = slot_layout(loss_mask_BS, segments_BS, k - 1, cfg.anchors, key)
+    kept = cfg.kept_anchors(min(cfg.anchors or s, s), k - 1)
+    layout = slot_layout(loss_mask_BS, segments_BS, k - 1, cfg.anchors, key, kept)
   embeds = target.embed(shifted(tokens_BS, 1))
   g_real, g_slots = drafter.apply(
-    embeds, features, positions, mask, layout, method=FeatureDrafter.train_forward
+    embeds, hidden, positions, mask, layout, method=FeatureDrafter.train_forward
   )
   next_features = shifted(features, 1)
   real_weight = real_weights(loss_mask_BS, segments_BS, 1)
   rows = [Rows(g_real, next_features, real_weight, jnp.ones((b, s), jnp.int32))]
-  if layout is not None:
-    teacher = jnp.take_along_axis(features, layout.teacher.reshape(b, -1)[..., None], axis=1)
-    depth = jnp.broadcast_to(jnp.arange(2, k + 1), layout.weight.shape)
-    rows.append(Rows(g_slots, teacher.reshape(g_slots.shape), layout.weight, depth))
+  for (lo, hi, p), g in zip(layout.tiers if layout else (), g_slots or (), strict=True):
+    index = layout.teacher[:, lo:hi, :p].reshape(b, -1)[..., None]
+    teacher = jnp.take_along_axis(features, index, axis=1).reshape(g.shape)
+    weight = layout.weight[:, lo:hi, :p]
+    rows.append(Rows(g, teacher, weight, jnp.broadcast_to(jnp.arange(2, p + 2), weight.shape)))
   regression = smooth_l1(g_real, next_features)
   feature_loss = jnp.sum(regression * real_weight) / jnp.maximum(real_weight.sum(), 1.0)
   return Rows.concat(rows), feature_loss
@@ -314,18 +360,18 @@ def depth1_logits(drafter, target, tokens_BS: jax.Array) -> tuple[jax.Array, jax
   """(target_BSV, draft_BSV): the target's logits at every position (position t predicts
   x_{t+1}) and the drafter's depth-1 logits of every pair (pair a predicts x_{a+2}, over the
   draft vocabulary), teacher-forced as in `depth1_guesses`."""
-  from pspec_jax.drafter import FeatureDrafter
+  from pspec_jax.drafter import FeatureDrafter, read_target
 
   segments_BS = jnp.ones_like(tokens_BS)
   positions, mask = segment_positions(segments_BS), segment_mask(segments_BS)
-  features_BSD, _ = target(tokens_BS, positions, None, mask)
+  features_BSD, hidden_BSE, _ = read_target(target, drafter.cfg, tokens_BS, positions, None, mask)
   if drafter.cfg.kind == "medusa":
     b, s, d = features_BSD.shape
     g_BSD = drafter.apply(features_BSD.reshape(b * s, d)).reshape(b, s, -1, d)[:, :, 0]
   else:
     g_BSD, _ = drafter.apply(
       target.embed(shifted(tokens_BS, 1)),
-      features_BSD,
+      hidden_BSE,
       positions,
       mask,
       None,

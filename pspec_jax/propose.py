@@ -2,8 +2,8 @@
 
 Each round `propose` consumes the pairs accepted since the last round (the last one holds the
 bonus token) and returns a token and a draft log-probability for every node of the tree pool.
-`pspec` and `eagle` keep a one-layer KV cache over real pairs; mask slots and tree nodes never
-enter it.
+`pspec` and `eagle` keep a KV cache over real pairs (one layer per drafter layer); mask slots
+and tree nodes never enter it.
 
 Drafts drawn from q (`propose` with a `Draw`, sampling at T > 0): instead of the top-k tokens,
 each pool node's children are drawn from the drafter's distribution q there (filtered like the
@@ -48,10 +48,10 @@ __all__ = [
 
 @struct.dataclass
 class Pairs:
-  """Drafter pairs accepted since the last round: pair i is (f_t, x_{t+1}), t = start + i."""
+  """Drafter pairs accepted since the last round: pair i is (h_t, x_{t+1}), t = start + i."""
 
   tokens: jax.Array  # [B, R] x_{t+1}
-  features: jax.Array  # [B, R, D] f_t
+  features: jax.Array  # [B, R, E] h_t, the target feature the drafter reads (`read_target`)
   count: jax.Array  # [B] valid pairs (the last one holds the bonus token)
 
   def last(self, x_BR):
@@ -234,8 +234,11 @@ def _propose_eagle(drafter, target, cache, pairs, context, pool, draw: Draw | No
     if d + 1 == pool.depth:
       break
     nodes = np.arange(1, children[-1] + 1)
+    # g of the parent stands in for the next target feature, in the drafter's width.
     u = drafter.apply(
-      target.embed(node_tokens[:, nodes]), node_g[:, a.parent[nodes]], method=FeatureDrafter.pairs
+      target.embed(node_tokens[:, nodes]),
+      node_g[:, a.parent[nodes]],
+      method=FeatureDrafter.fuse_pairs,
     )
     mask = a.ancestors[1:, 1:][: len(nodes), : len(nodes)]
     g, _ = drafter.apply(u, anchor + a.depth[nodes], mask, cache)

@@ -28,7 +28,7 @@ from pspec_jax import tree as tree_lib
 from pspec_jax.accept import accept
 from pspec_jax.arrays import take_rows
 from pspec_jax.decode_plan import Plan
-from pspec_jax.drafter import Drafter
+from pspec_jax.drafter import Drafter, read_target
 from pspec_jax.kv_cache import KVCache
 from pspec_jax.llama import Target
 from pspec_jax.propose import Draw, Pairs, draw_tables, feed, pld_candidates, propose
@@ -85,7 +85,7 @@ class Verified:
 
   tree: tree_lib.TreeArrays  # [B, ...]
   node_tokens: jax.Array  # [B, M]
-  features: jax.Array  # [B, M, D]
+  features: jax.Array  # [B, M, E] the feature h the drafter reads at every node (`read_target`)
   kv: tuple[jax.Array, jax.Array]  # [L, B, M, K, H] each
   logits: jax.Array  # [B, M, V] float32
   node_table: jax.Array | None = None  # [B, M] row of draft_logq a node was drawn from, or -1
@@ -133,7 +133,7 @@ def init(
   total = width + plan.max_new_tokens
   prompt_lengths = prompt_lengths.astype(jnp.int32)
   positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
-  features, kv = target(prompt_tokens, positions)
+  features, hidden, kv = read_target(target, drafter and drafter.cfg, prompt_tokens, positions)
   # p_n sits at each sequence's last real token; pads after it are never read.
   last = jnp.take_along_axis(features, (prompt_lengths - 1)[:, None, None], axis=1)
   first = select(target.logits(last)[:, 0], jax.random.fold_in(key, 0), plan.sampling)
@@ -157,8 +157,8 @@ def init(
     draft_logq=jnp.zeros((batch, 1, 1), jnp.float32),
     adapt=adaptive.init_stats(pool, batch) if pool.candidates else None,
   )
-  # Prompt pair t is (f_t, x_{t+1}); the last one carries the first bonus token.
-  pairs = Pairs(tokens=tokens[:, 1 : width + 1], features=features, count=prompt_lengths)
+  # Prompt pair t is (h_t, x_{t+1}); the last one carries the first bonus token.
+  pairs = Pairs(tokens=tokens[:, 1 : width + 1], features=hidden, count=prompt_lengths)
   return _constrain_state(plan, draft(plan, target, drafter, state, pairs))
 
 
@@ -189,7 +189,7 @@ def verify(plan: Plan, target: Target, drafter: Drafter | None, state: DecodeSta
     tree = tree_lib.batched(pool, batch)
   drafted = node_tokens.shape[1]
   if pool.candidates:
-    return _verify_adaptive(target, state, pool, tree, node_tokens)
+    return _verify_adaptive(target, drafter, state, pool, tree, node_tokens)
   # Each part of the tree that a round may leave out: its nodes, and whether this round has it.
   parts = []
   if pool.min_prob:
@@ -205,7 +205,7 @@ def verify(plan: Plan, target: Target, drafter: Drafter | None, state: DecodeSta
     tree = tree_lib.with_lookup(tree, ok)
     parts.append((range(drafted, drafted + pool.lookup), jnp.any(ok[:, 0])))
   num_nodes = node_tokens.shape[1]
-  run = functools.partial(_run_nodes, target, state, tree, node_tokens)
+  run = functools.partial(_run_nodes, target, drafter, state, tree, node_tokens)
   optional = {i for nodes, _ in parts for i in nodes}
   always = [i for i in range(num_nodes) if i not in optional]
   # Branch k runs the parts whose bit is set in k; the round picks the parts it has.
@@ -231,8 +231,9 @@ def verify(plan: Plan, target: Target, drafter: Drafter | None, state: DecodeSta
   )
 
 
-def _run_nodes(target, state, tree, node_tokens, nodes):
-  """The target over these nodes (closed under ancestors) of the tree; zeros elsewhere."""
+def _run_nodes(target, drafter, state, tree, node_tokens, nodes):
+  """The target over these nodes (closed under ancestors) of the tree: the drafter's features
+  h, keys/values and logits; zeros elsewhere."""
   n = state.cache.lengths
   num_nodes = node_tokens.shape[1]
   index = np.asarray(nodes)
@@ -240,14 +241,17 @@ def _run_nodes(target, state, tree, node_tokens, nodes):
   tokens, depth, ancestors = node_tokens, tree.depth, tree.ancestors
   if not whole:
     tokens, depth, ancestors = tokens[:, index], depth[:, index], ancestors[:, index][:, :, index]
-  features, kv = target(tokens, n[:, None] + depth, state.cache, ancestors)
-  out = features, kv, target.logits(features)
+  cfg = drafter and drafter.cfg
+  features, hidden, kv = read_target(
+    target, cfg, tokens, n[:, None] + depth, state.cache, ancestors
+  )
+  out = hidden, kv, target.logits(features)
   if whole:
     return out
   return jax.tree.map(lambda x, axis: _spread(x, axis, index, num_nodes), out, (1, (2, 2), 1))
 
 
-def _verify_adaptive(target, state, pool, tree, node_tokens) -> Verified:
+def _verify_adaptive(target, drafter, state, pool, tree, node_tokens) -> Verified:
   """An adaptive round's verification: the union tree cut to the chosen candidate, and its
   lookup chain where a sequence found one; the pass covers exactly those nodes."""
   choice = state.adapt.choice
@@ -264,7 +268,7 @@ def _verify_adaptive(target, state, pool, tree, node_tokens) -> Verified:
   # One branch per distinct node set, (candidate, lookup runs) -> branch.
   sets = adaptive.branch_nodes(pool)
   unique = list(dict.fromkeys(sets))
-  run = functools.partial(_run_nodes, target, state, tree, node_tokens)
+  run = functools.partial(_run_nodes, target, drafter, state, tree, node_tokens)
   branches = [functools.partial(run, nodes) for nodes in unique]
   which = jnp.asarray([unique.index(nodes) for nodes in sets], jnp.int32)
   index = which[2 * choice + runs.astype(jnp.int32)]

@@ -54,12 +54,14 @@ def padded(prompts, width=16):
   return jnp.asarray(tokens), jnp.asarray([len(p) for p in prompts], jnp.int32)
 
 
-def drafter_for(kind, target, num_draft=4, seed=1):
-  """A random (untrained) drafter of `kind`, or pld."""
+def drafter_for(kind, target, num_draft=4, seed=1, **options):
+  """A random (untrained) drafter of `kind`, or pld; `options` are more `DrafterConfig` fields
+  (`feature_layers`, `num_layers`, `mask_input`, ...)."""
   if kind == "pld":
-    cfg = drafter_lib.DrafterConfig.for_target("pld", target.cfg, num_draft=num_draft)
+    cfg = drafter_lib.DrafterConfig.for_target("pld", target.cfg, num_draft=num_draft, **options)
     return drafter_lib.Drafter(cfg=cfg, params={})
-  return drafter_lib.random_drafter(kind, target, jax.random.key(seed), num_draft=num_draft)
+  key = jax.random.key(seed)
+  return drafter_lib.random_drafter(kind, target, key, num_draft=num_draft, **options)
 
 
 # HF Llama variants for `save_hf_llama`: grouped and full attention, tied and untied heads, and

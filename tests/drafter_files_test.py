@@ -189,6 +189,107 @@ def test_shipped_drafters_read_on_every_kind_of_device():
   assert trees["pspec", "tpu"] == "paths:0+lookup:6"
 
 
+# Greedy decoding of two chat prompts with each shipped drafter (format version 1, written
+# before the architecture options), tree sparse8, 24 new tokens: rounds and accepted drafts per
+# depth, recorded with the code before those options existed. They depend on every draft.
+_CHAT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411]
+_CHAT += [407, 19712, 8182, 2, 198, 1, 4093, 198]
+SHIPPED_PROMPTS = [
+  _CHAT + [1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198],  # capital of France?
+  _CHAT + [19161, 253, 1890, 8216, 563, 260, 3426, 30, 2, 198, 1, 520, 9531, 198],  # a poem
+]
+SHIPPED_DECODES = {
+  "pspec": dict(rounds=[17, 13], accepted=[[6, 0, 0, 0], [7, 3, 0, 0]]),
+  "eagle": dict(rounds=[16, 12], accepted=[[6, 1, 0, 0], [9, 2, 0, 0]]),
+  "medusa": dict(rounds=[21, 16], accepted=[[2, 0, 0, 0], [6, 1, 0, 0]]),
+}
+
+
+def test_old_drafter_files_load_and_decode_as_before(smollm2):
+  target, _ = smollm2
+  tokens, lengths = testing.padded(SHIPPED_PROMPTS, width=max(map(len, SHIPPED_PROMPTS)))
+  cfg = decode.DecodeConfig(max_new_tokens=24, tree="sparse8")
+  plain = decode.generate(target, tokens, lengths, jax.random.key(0), cfg)
+  for kind, want in SHIPPED_DECODES.items():
+    directory = drafter_files.shipped_drafter(target.cfg.name, kind)
+    config = json.loads((epath.Path(directory) / drafter_files.CONFIG_FILE).read_text())
+    assert config["format_version"] == 1 and "num_layers" not in config
+    drafter = drafter_files.load_drafter(directory, target)
+    assert (drafter.cfg.num_layers, drafter.cfg.feature_layers) == (1, ())
+    assert drafter.cfg.mask_input == "per_depth"
+    # Every stored tensor is a parameter: nothing in the file is left unread.
+    stored = set(load_file(os.path.join(directory, drafter_files.PARAMS_FILE)))
+    assert stored - {drafter_files.VOCAB_TENSOR} == set(flat(drafter.params))
+    out = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter)
+    assert out.tokens.tolist() == plain.tokens.tolist()
+    assert out.rounds.tolist() == want["rounds"], kind
+    assert out.accepted_per_depth.tolist() == want["accepted"], kind
+
+
+@pytest.mark.parametrize(
+  "options",
+  [
+    dict(feature_layers=(1, 0)),
+    dict(num_layers=2),
+    dict(mask_input="shared"),
+    dict(feature_layers=(0, 1), num_layers=3, mask_input="shared"),
+  ],
+)
+def test_architecture_options_are_recorded_and_round_trip(target, tmp_path, options):
+  drafter = drafter_lib.random_drafter("pspec", target, jax.random.key(2), num_draft=3, **options)
+  drafter_files.save_drafter(str(tmp_path), drafter)
+  config = json.loads((tmp_path / drafter_files.CONFIG_FILE).read_text())
+  # Files with an option are version 2, which readers from before the options refuse.
+  assert config["format_version"] == 2
+  for name, value in options.items():
+    assert config[name] == (list(value) if isinstance(value, tuple) else value)
+  loaded = drafter_files.load_drafter(str(tmp_path), target)
+  assert loaded.cfg == drafter.cfg
+  original, restored = flat(drafter.params), flat(loaded.params)
+  assert restored.keys() == original.keys()
+  for name, value in original.items():
+    np.testing.assert_array_equal(restored[name], value, err_msg=name)
+  cfg = decode.DecodeConfig(max_new_tokens=12, tree="sparse6")
+  tokens, lengths = testing.padded(testing.PROMPTS)
+  want = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter)
+  got = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, loaded)
+  for field in ("tokens", "rounds", "accepted_per_depth"):
+    assert getattr(got, field).tolist() == getattr(want, field).tolist(), field
+
+
+def test_a_default_drafter_is_written_as_before(target, tmp_path):
+  drafter = drafter_lib.random_drafter("pspec", target, jax.random.key(2), num_draft=3)
+  drafter_files.save_drafter(str(tmp_path), drafter)
+  config = json.loads((tmp_path / drafter_files.CONFIG_FILE).read_text())
+  assert config["format_version"] == 1
+  assert not {"num_layers", "feature_layers", "mask_input"} & set(config)
+  names = set(load_file(str(tmp_path / drafter_files.PARAMS_FILE)))
+  assert names == set(flat(drafter.params))
+  assert {name.split("/")[0] for name in names} == {"fuse", "block", "norm", "mask_slots"}
+
+
+@pytest.mark.parametrize(
+  "options,message",
+  [
+    (dict(kind="eagle", feature_layers=(0,)), "feature_layers is for pspec"),
+    (dict(kind="medusa", num_layers=2), "num_layers"),
+    (dict(kind="eagle", mask_input="shared"), "mask_input"),
+    (dict(kind="pspec", mask_input="one"), "mask_input"),
+    (dict(kind="pspec", feature_layers=(1, 1)), "distinct"),
+  ],
+)
+def test_bad_architecture_options_are_one_clear_error(target, options, message):
+  with pytest.raises(ValueError, match=message):
+    drafter_lib.DrafterConfig.for_target(target=target.cfg, **options)
+
+
+def test_feature_layers_beyond_the_target_are_one_clear_error(target):
+  drafter = drafter_lib.random_drafter("pspec", target, jax.random.key(2), feature_layers=(2,))
+  tokens, lengths = testing.padded(testing.PROMPTS)
+  with pytest.raises(ValueError, match="feature layers"):
+    decode.generate(target, tokens, lengths, jax.random.key(0), decode.DecodeConfig(), drafter)
+
+
 # --- bad files -------------------------------------------------------------------------------
 
 

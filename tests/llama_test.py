@@ -218,3 +218,30 @@ def test_looped_layers_equal_scanned_layers(tiny_target, tmp_path):
   np.testing.assert_allclose(
     full_forward_logits(a, tokens), full_forward_logits(b, tokens), atol=1e-5
   )
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_tapped_hidden_states_are_the_layers_outputs_from_the_same_pass(scan):
+  """`taps` adds the residual stream after those layers (a layer-by-layer loop here), in the
+  order asked, without changing the features or keys/values of the pass."""
+  cfg = testing.TINY.replace(num_layers=4)
+  target = testing.make_target(2.0, cfg=cfg)
+  tokens = jax.random.randint(jax.random.key(2), (2, 9), 0, cfg.vocab_size)
+  positions = jnp.broadcast_to(jnp.arange(9), (2, 9))
+  causal = jnp.broadcast_to(jnp.tril(jnp.ones((9, 9), jnp.bool_)), (2, 9, 9))
+  x = target.params["embedding"][tokens]
+  outputs = []
+  for i in range(cfg.num_layers):
+    block = llama.Block(cfg)
+    x, _ = block.apply({"params": target.params[f"layers_{i}"]}, x, None, positions, causal, None)
+    outputs.append(x)
+  plain_features, plain_kv = target(tokens, positions)
+  model = target.with_scan_layers(scan)
+  features, kv, hidden = model(tokens, positions, taps=(3, 0, 2))
+  np.testing.assert_allclose(
+    hidden, jnp.concatenate([outputs[i] for i in (3, 0, 2)], -1), atol=1e-5
+  )
+  np.testing.assert_allclose(features, plain_features, atol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), kv, plain_kv)
+  with pytest.raises(ValueError, match="feature layers"):
+    model(tokens, positions, taps=(4,))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pspec_jax import drafter as drafter_lib
-from pspec_jax import losses, testing
+from pspec_jax import llama, losses, testing
 from train import step as step_lib
 
 S = 12  # row length of the layout tests
@@ -65,9 +65,14 @@ def _reference_layout(anchors, num_slots, loss_mask, segments):
   return position, teacher, weight, visible
 
 
-def _layout(loss_mask, segments, num_draft, num_anchors, seed):
+def _layout(loss_mask, segments, num_draft, num_anchors, seed, kept=None):
   return losses.slot_layout(
-    jnp.asarray(loss_mask), jnp.asarray(segments), num_draft - 1, num_anchors, jax.random.key(seed)
+    jnp.asarray(loss_mask),
+    jnp.asarray(segments),
+    num_draft - 1,
+    num_anchors,
+    jax.random.key(seed),
+    kept,
   )
 
 
@@ -105,38 +110,116 @@ def test_segment_positions_and_mask():
   assert mask[4].nonzero()[0].tolist() == [3, 4] and mask[2].nonzero()[0].tolist() == [0, 1, 2]
 
 
-@pytest.mark.parametrize(("num_draft", "num_anchors"), [(2, 0), (4, 5), (5, S)])
-def test_grouped_attention_equals_the_full_parallel_group_mask(num_draft, num_anchors):
+def _kept(num_anchors, num_slots, ratio, floor):
+  """COD written from its definition: slot d is kept by the first ceil(A * max(r^d, floor))."""
+  return [
+    min(num_anchors, int(np.ceil(num_anchors * max(ratio**d, floor) - 1e-9)))
+    for d in range(1, num_slots + 1)
+  ]
+
+
+# (K, anchors, keep ratio, keep floor): full layouts and COD ones, every pair or a subsample.
+COD_CASES = [
+  (2, 0, 1.0, 0.0),
+  (4, 5, 1.0, 0.0),
+  (5, S, 0.7, 0.2),
+  (4, 0, 0.5, 0.0),
+  (6, 7, 0.6, 0.3),
+]
+
+
+@pytest.mark.parametrize(("num_draft", "num_anchors", "ratio", "floor"), COD_CASES)
+def test_cod_layout_keeps_nested_slot_prefixes(num_draft, num_anchors, ratio, floor):
+  loss_mask, segments = _rows(3, seed=num_draft)
+  cfg = losses.LossConfig(anchors=num_anchors, keep_ratio=ratio, keep_floor=floor)
+  a, p = num_anchors or S, num_draft - 1
+  kept = cfg.kept_anchors(a, p)
+  assert list(kept) == _kept(a, p, ratio, floor)
+  layout = _layout(loss_mask, segments, num_draft, num_anchors, 3, kept)
+  anchors = np.asarray(layout.anchors)
+  position, teacher, weight, _ = _reference_layout(anchors, p, loss_mask, segments)
+  keeps = np.arange(a)[:, None] < np.asarray(_kept(a, p, ratio, floor))  # [A, P]: slot kept
+  np.testing.assert_array_equal(layout.positions, position)
+  np.testing.assert_array_equal(layout.teacher, teacher)
+  np.testing.assert_array_equal(layout.weight, weight * keeps)
+  # The tiers run exactly the kept slots: anchor i with its first p_i slots.
+  runs = np.zeros((a, p), bool)
+  for lo, hi, depth in layout.tiers:
+    assert not runs[lo:hi].any()
+    runs[lo:hi, :depth] = True
+  np.testing.assert_array_equal(runs, keeps)
+  for row in range(3):
+    assert len(set(anchors[row])) == a
+  if ratio < 1 and num_anchors == 0:  # dropping by position would favour the early pairs
+    assert (np.diff(anchors, axis=1) < 0).any()
+
+
+def _fuse_features(params, cfg, embeds, hidden):
+  """u_t = Fuse([embed; h]), h = RMSNorm(concat(hidden states) @ W) (or f), from the params."""
+  if cfg.feature_layers:
+    h = hidden @ params["feature_fuse"]
+    h = h / jnp.sqrt(jnp.mean(h * h, -1, keepdims=True) + cfg.rms_norm_eps)
+    hidden = h * params["feature_norm"]["scale"]
+  return jnp.concatenate([embeds, hidden], -1) @ params["fuse"]
+
+
+# Drafter options: the final feature, two fused target layers, a deeper drafter, one shared
+# mask vector, and all of them together.
+OPTIONS = [
+  {},
+  dict(feature_layers=(1, 0)),
+  dict(num_layers=2),
+  dict(mask_input="shared"),
+  dict(feature_layers=(0, 1), num_layers=3, mask_input="shared"),
+]
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+@pytest.mark.parametrize(("num_draft", "num_anchors", "ratio", "floor"), COD_CASES[1:])
+def test_grouped_attention_equals_the_full_parallel_group_mask(
+  options, num_draft, num_anchors, ratio, floor
+):
+  """Every kept slot's drafter feature equals one pass over [real pairs; every slot] under the
+  reference mask (section 2), with the options' fusion, layers and slot inputs spelled out."""
   target = testing.make_target(2.0)
-  drafter = drafter_lib.random_drafter("pspec", target, jax.random.key(3), num_draft=num_draft)
+  drafter = drafter_lib.random_drafter(
+    "pspec", target, jax.random.key(3), num_draft=num_draft, **options
+  )
+  cfg, params = drafter.cfg, drafter.params
   loss_mask, segments = _rows(3, seed=7)
   tokens = jax.random.randint(jax.random.key(1), (3, S), 0, testing.TINY.vocab_size)
-  layout = _layout(loss_mask, segments, num_draft, num_anchors, 2)
+  p = num_draft - 1
+  kept = losses.LossConfig(keep_ratio=ratio, keep_floor=floor).kept_anchors(num_anchors or S, p)
+  layout = _layout(loss_mask, segments, num_draft, num_anchors, 2, kept)
   segments = jnp.asarray(segments)
   pair_positions = losses.segment_positions(segments)
   mask = losses.segment_mask(segments)
   embeds = target.embed(losses.shifted(tokens, 1))
-  features, _ = target(tokens, pair_positions, None, mask)
+  _, hidden, _ = drafter_lib.read_target(target, cfg, tokens, pair_positions, None, mask)
+  assert hidden.shape[-1] == cfg.feature_width
   g_real, g_slots = drafter.apply(
-    embeds, features, pair_positions, mask, layout, method=drafter_lib.FeatureDrafter.train_forward
+    embeds, hidden, pair_positions, mask, layout, method=drafter_lib.FeatureDrafter.train_forward
   )
   _, _, _, visible = _reference_layout(
-    np.asarray(layout.anchors), num_draft - 1, loss_mask, np.asarray(segments)
+    np.asarray(layout.anchors), p, loss_mask, np.asarray(segments)
   )
-
-  def flat(module):
-    u = module.pairs(embeds, features)
-    a, p = layout.positions.shape[1:]
-    m = jnp.broadcast_to(module.slots()[:p], (3, a, p, u.shape[-1])).reshape(3, a * p, -1)
-    x = jnp.concatenate([u, m], 1)
-    positions = jnp.concatenate([pair_positions, layout.positions.reshape(3, -1)], 1)
-    return module.norm(module.block(x, None, positions, jnp.asarray(visible), None)[0])
-
-  want = drafter.apply(method=flat)
-  np.testing.assert_allclose(g_real, want[:, :S], atol=1e-5)
-  np.testing.assert_allclose(
-    g_slots.reshape(3, -1, testing.TINY.hidden_size), want[:, S:], atol=1e-5
-  )
+  a = layout.positions.shape[1]
+  u = _fuse_features(params, cfg, embeds, hidden)
+  m = params["mask_vector"][None] if cfg.mask_input == "shared" else params["mask_slots"][:p]
+  m = jnp.broadcast_to(m, (3, a, p, u.shape[-1])).reshape(3, a * p, -1)
+  x = jnp.concatenate([u, m], 1)
+  positions = jnp.concatenate([pair_positions, layout.positions.reshape(3, -1)], 1)
+  for i in range(cfg.num_layers):
+    name = "block" if i == 0 else f"block_{i}"
+    block = llama.Block(cfg.layer)
+    x, _ = block.apply({"params": params[name]}, x, None, positions, jnp.asarray(visible), None)
+  want = x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + cfg.rms_norm_eps)
+  want = want * params["norm"]["scale"]
+  np.testing.assert_allclose(g_real, want[:, :S], atol=2e-5)
+  want_slots = want[:, S:].reshape(3, a, p, -1)
+  assert len(g_slots) == len(layout.tiers)
+  for (lo, hi, depth), g in zip(layout.tiers, g_slots, strict=True):
+    np.testing.assert_allclose(g, want_slots[:, lo:hi, :depth], atol=2e-5)
 
 
 def _reference_rows(kind, num_draft, loss_mask, segments):
@@ -177,6 +260,51 @@ def test_rows_of_eagle_and_medusa_match_the_reference(kind):
   want = sorted((d, np.asarray(features[b, t]).round(5).tolist()) for b, t, w, d in reference if w)
   assert got == want and len(got) > 5
   np.testing.assert_array_equal(np.asarray(rows.weight)[kept], 1.0)
+
+
+@pytest.mark.parametrize("options", OPTIONS[1:2] + OPTIONS[4:])
+@pytest.mark.parametrize(("num_draft", "num_anchors", "ratio", "floor"), COD_CASES[2:])
+def test_pspec_rows_with_cod_match_the_reference(options, num_draft, num_anchors, ratio, floor):
+  """distill_rows' rows (depth, teacher, weight) are the real pairs' and the kept slots'."""
+  target = testing.make_target(2.0)
+  drafter = drafter_lib.random_drafter(
+    "pspec", target, jax.random.key(3), num_draft=num_draft, **options
+  )
+  loss_mask, segments = _rows(3, seed=5)
+  tokens = jax.random.randint(jax.random.key(1), (3, S), 0, testing.TINY.vocab_size)
+  batch = dict(tokens=tokens, loss_mask=jnp.asarray(loss_mask), segments=jnp.asarray(segments))
+  cfg = losses.LossConfig(anchors=num_anchors, keep_ratio=ratio, keep_floor=floor)
+  key = jax.random.key(4)
+  rows, _ = losses.distill_rows(drafter, target, batch, key, cfg)
+  a, p = num_anchors or S, num_draft - 1
+  kept = _kept(a, p, ratio, floor)
+  anchors = np.asarray(  # the anchors distill_rows draws with this key
+    losses.slot_layout(batch["loss_mask"], batch["segments"], p, num_anchors, key, kept).anchors
+  )
+  seg = jnp.asarray(segments)
+  features, _ = target(tokens, losses.segment_positions(seg), None, losses.segment_mask(seg))
+  reference = _reference_rows("pspec", num_draft, loss_mask, segments)
+  want = [(1, features[b, t], w) for b, t, w, _ in reference]
+  for row in range(3):
+    for i, anchor in enumerate(anchors[row]):
+      for d in range(1, p + 1):
+        if i >= kept[d - 1]:
+          continue
+        predicts = anchor + d + 2
+        inside = predicts < S and segments[row, predicts] == segments[row, anchor]
+        w = loss_mask[row, predicts] if inside else 0.0
+        want.append((d + 1, features[row, min(predicts - 1, S - 1)], w))
+  assert rows.weight.size == len(want) == 3 * (S + sum(kept))
+  kept_rows = np.asarray(rows.weight) > 0
+  got = sorted(
+    zip(
+      np.asarray(rows.depth)[kept_rows].tolist(),
+      np.asarray(rows.teacher)[kept_rows].round(5).tolist(),
+      strict=True,
+    )
+  )
+  assert got == sorted((d, np.asarray(f).round(5).tolist()) for d, f, w in want if w)
+  assert len(got) > 10 and len({d for d, _ in got}) == num_draft
 
 
 def test_a_packed_row_trains_like_its_conversations_alone():
@@ -257,14 +385,29 @@ def _repeating_batch(batch=4, length=24):
   }
 
 
-@pytest.mark.parametrize("kind", ["pspec", "eagle", "medusa"])
-def test_training_on_a_repeating_sequence_drives_the_loss_down(kind):
+# (kind, drafter options, loss options): today's drafters, then each new option.
+TRAINING_CASES = [
+  ("pspec", {}, {}),
+  ("eagle", {}, {}),
+  ("medusa", {}, {}),
+  ("pspec", dict(feature_layers=(0, 1)), {}),
+  ("pspec", dict(num_layers=2), {}),
+  ("pspec", dict(mask_input="shared"), {}),
+  ("pspec", {}, dict(keep_ratio=0.7, keep_floor=0.3)),
+  ("eagle", dict(num_layers=2), {}),
+]
+
+
+@pytest.mark.parametrize(("kind", "options", "loss_options"), TRAINING_CASES)
+def test_training_on_a_repeating_sequence_drives_the_loss_down(kind, options, loss_options):
   target = testing.make_target(3.0).with_scan_layers(True)
-  drafter = drafter_lib.random_drafter(kind, target, jax.random.key(0), num_draft=3)
+  drafter = drafter_lib.random_drafter(kind, target, jax.random.key(0), num_draft=3, **options)
   cfg = step_lib.StepConfig(
     target=target.cfg,
     drafter=drafter.cfg,
-    loss=losses.LossConfig(anchors=6, chunk=64, feature_weight=0.1 if kind == "eagle" else 0),
+    loss=losses.LossConfig(
+      anchors=6, chunk=64, feature_weight=0.1 if kind == "eagle" else 0, **loss_options
+    ),
     optimizer=step_lib.OptimizerConfig(lr=1e-2, warmup_steps=2, steps=40),
   )
   state = step_lib.init_state(cfg, drafter.params)

@@ -42,6 +42,38 @@ def test_greedy_speculative_equals_plain_greedy(target, kind, tree):
   assert (spec.rounds <= plain.rounds).all()
 
 
+# Drafter architecture options (docs/design.md section 5): fused target layers, deeper drafters,
+# one shared mask vector, and combinations.
+OPTIONS = [
+  ("pspec", dict(feature_layers=(1, 0))),
+  ("pspec", dict(feature_layers=(0,), num_layers=2)),
+  ("pspec", dict(num_layers=3)),
+  ("pspec", dict(mask_input="shared")),
+  ("pspec", dict(feature_layers=(0, 1), num_layers=2, mask_input="shared")),
+  ("eagle", dict(num_layers=2)),
+]
+
+
+@pytest.mark.parametrize(("kind", "options"), OPTIONS)
+@pytest.mark.parametrize("tree", ["chain", "sparse8", "dynamic:6+lookup:2"])
+def test_greedy_speculative_equals_plain_greedy_with_drafter_options(target, kind, options, tree):
+  drafter = testing.drafter_for(kind, target, **options)
+  assert_greedy_lossless(target, drafter, tree)  # batch 4, ragged
+  tokens, lengths = testing.padded(testing.PROMPTS[2:3], width=9)  # batch 1
+  cfg = decode.DecodeConfig(max_new_tokens=20, tree=tree)
+  plain = decode.generate(target, tokens, lengths, jax.random.key(0), cfg)
+  spec = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter)
+  assert spec.tokens.tolist() == plain.tokens.tolist()
+
+
+@pytest.mark.parametrize(("kind", "options"), OPTIONS[-2:])
+def test_drafter_options_stay_lossless_with_panel_weights(target, kind, options):
+  packed = target.with_weight_layout("panels")
+  drafter = testing.drafter_for(kind, packed, **options)
+  assert drafter.cfg.weight_layout == "panels"
+  assert_greedy_lossless(packed, drafter, "sparse8")
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("path", ["kernel", "xla"])
 def test_greedy_speculative_equals_plain_greedy_with_panel_weights(target, kind, path):
@@ -209,26 +241,30 @@ def sample_many(target, drafter, prompt, cfg):
 
 
 @pytest.mark.parametrize(
-  "kind,tree",
+  "kind,tree,options",
   [
-    (None, ""),
-    ("pspec", "chain"),
-    ("pspec", "sparse8"),
-    ("medusa", "dynamic:5"),
-    ("pld", "chain"),
-    ("pspec", "paths:0+lookup:3"),
-    ("eagle", "sparse8+min:0.03+lookup:2"),  # depth-2 confidences spread around 0.03
-    ("pspec", "adaptive:paths:0/1|chain+lookup:2|lookup:3"),
+    (None, "", {}),
+    ("pspec", "chain", {}),
+    ("pspec", "sparse8", {}),
+    ("medusa", "dynamic:5", {}),
+    ("pld", "chain", {}),
+    ("pspec", "paths:0+lookup:3", {}),
+    ("eagle", "sparse8+min:0.03+lookup:2", {}),  # depth-2 confidences spread around 0.03
+    ("pspec", "adaptive:paths:0/1|chain+lookup:2|lookup:3", {}),
+    # Fused target layers (and a deeper drafter with one shared mask vector).
+    ("pspec", "sparse8", dict(feature_layers=(1, 0), num_layers=2, mask_input="shared")),
   ],
 )
-def test_speculative_sampling_matches_the_target_distribution(kind, tree):
+def test_speculative_sampling_matches_the_target_distribution(kind, tree, options):
   target = testing.make_target(2.0, seed=3, cfg=SAMPLING_TINY)
   prompt = [1, 2, 1, 2, 1]
   length = 4
   cfg = decode.DecodeConfig(
     max_new_tokens=length, sampling=SamplingConfig(temperature=1.0), num_draft=3, tree=tree
   )
-  drafter = None if kind is None else testing.drafter_for(kind, target, num_draft=3, seed=7)
+  drafter = None
+  if kind is not None:
+    drafter = testing.drafter_for(kind, target, num_draft=3, seed=7, **options)
   samples, tau = sample_many(target, drafter, prompt, cfg)
   assert tau > 1.1 if drafter else tau == 1  # drafts do get accepted
   probs, seqs = exact_joint(target, prompt, length)
@@ -311,8 +347,10 @@ def test_pspec_proposals_in_chunks_equal_one_pass_with_the_reference_mask(target
   np.testing.assert_allclose(logp[0, 1:], expected_logp[np.arange(7), expected_tokens], atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["pspec", "eagle"])
-def test_decoding_drafts_what_training_predicts(target, kind):
+@pytest.mark.parametrize(
+  ("kind", "options"), [("pspec", {}), ("eagle", {}), *OPTIONS[:2], OPTIONS[4], OPTIONS[5]]
+)
+def test_decoding_drafts_what_training_predicts(target, kind, options):
   """Each round's chain equals the teacher-forced training layout's top-1 at that anchor.
 
   The drafter at decode time (cached, chunked pairs, mask slots after the last one) and in
@@ -321,7 +359,7 @@ def test_decoding_drafts_what_training_predicts(target, kind):
   """
   from pspec_jax import losses
 
-  drafter = testing.drafter_for(kind, target, num_draft=4)
+  drafter = testing.drafter_for(kind, target, num_draft=4, **options)
   # Large weights, so that positions and attention move the drafter's top-1.
   drafter = drafter.replace(params=jax.tree.map(lambda x: 25 * x, drafter.params))
   cfg = decode.DecodeConfig(max_new_tokens=24, tree="chain")
@@ -335,13 +373,13 @@ def test_decoding_drafts_what_training_predicts(target, kind):
   seq = state.tokens[:, : int(state.num_tokens[0])]
   segments = jnp.ones_like(seq)
   positions, mask = losses.segment_positions(segments), losses.segment_mask(segments)
-  features, _ = target(seq, positions, None, mask)
+  _, hidden, _ = drafter_lib.read_target(target, drafter.cfg, seq, positions, None, mask)
   layout = None
   if kind == "pspec":
     layout = losses.slot_layout(segments > 0, segments, 3, 0, jax.random.key(0))
   g_real, g_slots = drafter.apply(
     target.embed(losses.shifted(seq, 1)),
-    features,
+    hidden,
     positions,
     mask,
     layout,
@@ -350,6 +388,7 @@ def test_decoding_drafts_what_training_predicts(target, kind):
   top = lambda g: np.asarray(jnp.argmax(drafter.logits(target, g[0]), -1))
   predicted = top(g_real)[:, None]  # pair a = (f_a, x_{a+1}) predicts x_{a+2}
   if layout is not None:
+    (g_slots,) = g_slots  # one tier: every anchor keeps its K - 1 slots
     predicted = np.concatenate([predicted, top(g_slots)], axis=1)  # slot d: x_{a+d+2}
   assert len(rounds) > 5
   for n, drafted in rounds:  # the bonus is x_n: the last pair is a = n - 1

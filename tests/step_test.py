@@ -19,13 +19,15 @@ def _batch(batch=8, length=16):
   return {"tokens": tokens.astype(jnp.int32), "loss_mask": loss_mask, "segments": segments}
 
 
-def _one_step(kind, mesh):
+def _one_step(kind, mesh, options=None, loss_options=None):
   target = testing.make_target(3.0).with_scan_layers(True)
-  drafter = drafter_lib.random_drafter(kind, target, jax.random.key(0), num_draft=3)
+  drafter = drafter_lib.random_drafter(
+    kind, target, jax.random.key(0), num_draft=3, **(options or {})
+  )
   cfg = step_lib.StepConfig(
     target=target.cfg,
     drafter=drafter.cfg,
-    loss=losses.LossConfig(anchors=4, chunk=32, feature_weight=0.5),
+    loss=losses.LossConfig(anchors=4, chunk=32, feature_weight=0.5, **(loss_options or {})),
     optimizer=step_lib.OptimizerConfig(lr=1e-2, warmup_steps=1, steps=10),
   )
   place = step_lib.placement(cfg, mesh)
@@ -41,13 +43,25 @@ def _one_step(kind, mesh):
 MESHES = [dict(data=8), dict(data=2, fsdp=2, tensor=2), dict(data=1, fsdp=4, tensor=2)]
 
 
-@pytest.mark.parametrize("kind", ["pspec", "eagle", "medusa"])
-def test_sharded_step_equals_one_device(kind):
+# (kind, drafter options, loss options): today's drafters, then the new options together.
+SHARDED_CASES = [
+  ("pspec", {}, {}),
+  ("eagle", {}, {}),
+  ("medusa", {}, {}),
+  ("pspec", dict(feature_layers=(1, 0), num_layers=2, mask_input="shared"), {}),
+  ("pspec", dict(feature_layers=(1,)), dict(keep_ratio=0.6, keep_floor=0.3)),
+  ("eagle", dict(num_layers=2), {}),
+]
+
+
+@pytest.mark.parametrize(("kind", "options", "loss_options"), SHARDED_CASES)
+def test_sharded_step_equals_one_device(kind, options, loss_options):
   assert jax.device_count() == 8
-  (want_params, want_metrics), _ = _one_step(kind, sharding.make_mesh(devices=jax.devices()[:1]))
+  one = sharding.make_mesh(devices=jax.devices()[:1])
+  (want_params, want_metrics), _ = _one_step(kind, one, options, loss_options)
   for shape in MESHES:
     mesh = sharding.make_mesh(**shape)
-    (params, metrics), state = _one_step(kind, mesh)
+    (params, metrics), state = _one_step(kind, mesh, options, loss_options)
     # A KL near 0 is a difference of O(1) terms: float32 rounding is absolute, ~1e-7.
     loss, want_loss = float(metrics["loss"]), float(want_metrics["loss"])
     assert loss == pytest.approx(want_loss, rel=1e-5, abs=1e-7)
@@ -93,13 +107,15 @@ def test_microbatches_average_the_parts():
   )  # counts add up exactly
 
 
-@pytest.mark.parametrize("kind", ["pspec", "medusa"])
-def test_precomputed_target_features_give_the_same_step(kind, tmp_path):
+@pytest.mark.parametrize(
+  ("kind", "options"), [("pspec", {}), ("medusa", {}), ("pspec", dict(feature_layers=(1, 0)))]
+)
+def test_precomputed_target_features_give_the_same_step(kind, options, tmp_path):
   from pspec_jax import data
   from train import features
 
   target = testing.make_target(3.0).with_scan_layers(True)
-  drafter = drafter_lib.random_drafter(kind, target, jax.random.key(0), num_draft=3)
+  drafter = drafter_lib.random_drafter(kind, target, jax.random.key(0), num_draft=3, **options)
   cfg = step_lib.StepConfig(
     target=target.cfg,
     drafter=drafter.cfg,
@@ -109,9 +125,12 @@ def test_precomputed_target_features_give_the_same_step(kind, tmp_path):
   cached = dataclasses.replace(cfg, cached_features=True)
   assert step_lib.batch_keys(cached) == step_lib.BATCH_KEYS + ("features",)
   rows = data.TokenData(**{k: np.asarray(v) for k, v in _batch(batch=5).items()})
-  stored = features.target_features(rows, target, str(tmp_path), batch_size=2)  # wraps
-  assert stored.shape == (5, 16, testing.TINY.hidden_size)
-  again = features.target_features(rows, target, str(tmp_path))  # read back, not recomputed
+  layers = drafter.cfg.feature_layers
+  stored = features.target_features(rows, target, str(tmp_path), 2, layers)  # wraps
+  # The final features, then (feature layers) the hidden states the drafter reads.
+  assert stored.shape == (5, 16, testing.TINY.hidden_size * (1 + len(layers)))
+  assert stored.shape[-1] == step_lib.abstract_batch(cached, 4, 16)["features"].shape[-1]
+  again = features.target_features(rows, target, str(tmp_path), 8, layers)  # read back
   assert len(list(tmp_path.iterdir())) == 1 and np.array_equal(again, stored)
   batch = dataclasses.replace(rows, features=stored).batch(0, 4, seed=3)
   state = step_lib.init_state(cfg, drafter.params)

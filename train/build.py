@@ -95,6 +95,9 @@ def drafter_config(config: ml_collections.ConfigDict, target: llama.LlamaConfig)
     dtype=dtype(d.dtype),
     param_dtype=dtype(d.param_dtype),
     draft_vocab_size=d.draft_vocab_size,
+    num_layers=d.num_layers,
+    feature_layers=tuple(d.feature_layers),
+    mask_input=d.mask_input,
   )
 
 

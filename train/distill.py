@@ -152,7 +152,9 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
   if config.data.cache_features:
     cache_dir = config.data.cache_dir or data.default_cache_dir()
     for split in loaded:
-      stored = features.target_features(loaded[split], target, cache_dir, t.batch_size)
+      stored = features.target_features(
+        loaded[split], target, cache_dir, t.batch_size, cfg.drafter.feature_layers
+      )
       loaded[split] = dataclasses.replace(loaded[split], features=stored)
   train_step = step_lib.jit_train_step(cfg, place)
   eval_step = step_lib.jit_eval_step(cfg, place)

@@ -19,7 +19,9 @@ from pspec_jax.drafter import Drafter, DrafterConfig
 from pspec_jax.llama import LlamaConfig, Target
 
 BATCH_KEYS = ("tokens", "loss_mask", "segments")  # each [B, S]; see `losses.distill_rows`
-FEATURES_KEY = "features"  # [B, S, D] the target's features, when precomputed
+# [B, S, D] the target's features, when precomputed; [B, S, D + E] with the hidden states of
+# the drafter's feature layers after them (`train.features`).
+FEATURES_KEY = "features"
 
 
 @struct.dataclass
@@ -104,7 +106,8 @@ def abstract_batch(cfg: StepConfig, batch_size: int, seq_len: int) -> dict:
     "segments": jax.ShapeDtypeStruct(shape, jnp.int32),
   }
   if cfg.cached_features:
-    batch[FEATURES_KEY] = jax.ShapeDtypeStruct((*shape, cfg.target.hidden_size), jnp.float32)
+    width = cfg.target.hidden_size * (1 + len(cfg.drafter.feature_layers))
+    batch[FEATURES_KEY] = jax.ShapeDtypeStruct((*shape, width), jnp.float32)
   return batch
 
 
