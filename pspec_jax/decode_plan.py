@@ -145,13 +145,11 @@ def make_plan(cfg: DecodeConfig, drafter: Drafter | None, width: int) -> Plan:
       f"{tree.max_depth} = {needed} does not fit the cache of {cfg.max_len} slots: shorten the "
       "prompt, lower K or raise max_len"
     )
-  # Adaptive candidates draft by the top-k rule (their draft path has no q to draw from).
   drawn = (
     not cfg.sampling.greedy
     and cfg.drafts == "sampled"
     and kind not in ("none", "pld")
     and tree.depth > 0
-    and not tree.candidates
   )
   return Plan(
     tree=tree,

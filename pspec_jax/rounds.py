@@ -189,7 +189,7 @@ def verify(plan: Plan, target: Target, drafter: Drafter | None, state: DecodeSta
     tree = tree_lib.batched(pool, batch)
   drafted = node_tokens.shape[1]
   if pool.candidates:
-    return _verify_adaptive(target, drafter, state, pool, tree, node_tokens)
+    return _verify_adaptive(target, drafter, state, pool, tree, node_tokens, node_table)
   # Each part of the tree that a round may leave out: its nodes, and whether this round has it.
   parts = []
   if pool.min_prob:
@@ -251,9 +251,10 @@ def _run_nodes(target, drafter, state, tree, node_tokens, nodes):
   return jax.tree.map(lambda x, axis: _spread(x, axis, index, num_nodes), out, (1, (2, 2), 1))
 
 
-def _verify_adaptive(target, drafter, state, pool, tree, node_tokens) -> Verified:
+def _verify_adaptive(target, drafter, state, pool, tree, node_tokens, node_table) -> Verified:
   """An adaptive round's verification: the union tree cut to the chosen candidate, and its
-  lookup chain where a sequence found one; the pass covers exactly those nodes."""
+  lookup chain where a sequence found one; the pass covers exactly those nodes. `node_table`:
+  drafts drawn from q, the union's `draw_tables` (else None)."""
   choice = state.adapt.choice
   tree, chain_L = adaptive.restrict(tree, pool, choice)
   runs = jnp.bool_(False)
@@ -263,6 +264,8 @@ def _verify_adaptive(target, drafter, state, pool, tree, node_tokens) -> Verifie
     )
     ok = ok & chain_L[None, :]
     node_tokens = jnp.concatenate([node_tokens, lookup_tokens], axis=1)
+    if node_table is not None:  # lookup nodes are not drawn from q
+      node_table = jnp.pad(node_table, ((0, 0), (0, pool.lookup)), constant_values=-1)
     tree = tree_lib.with_lookup(tree, ok)
     runs = jnp.any(ok[:, 0])
   # One branch per distinct node set, (candidate, lookup runs) -> branch.
@@ -273,7 +276,15 @@ def _verify_adaptive(target, drafter, state, pool, tree, node_tokens) -> Verifie
   which = jnp.asarray([unique.index(nodes) for nodes in sets], jnp.int32)
   index = which[2 * choice + runs.astype(jnp.int32)]
   features, kv, logits = jax.lax.switch(index, branches)
-  return Verified(tree=tree, node_tokens=node_tokens, features=features, kv=kv, logits=logits)
+  return Verified(
+    tree=tree,
+    node_tokens=node_tokens,
+    features=features,
+    kv=kv,
+    logits=logits,
+    node_table=node_table,
+    draft_logq=None if node_table is None else state.draft_logq,
+  )
 
 
 def _spread(x: jax.Array, axis: int, index: np.ndarray, size: int) -> jax.Array:
@@ -355,23 +366,45 @@ def draft(
     return state
   context = (state.tokens, state.num_tokens)
   pool = plan.tree
+  draw = _draw(plan, state)
   if pool.candidates:
-    return _draft_adaptive(plan, target, drafter, state, pairs)
-  draw = None
-  if plan.drawn:
-    # A stream of its own: keys derived from the rounds' keys (`accept_path` splits
-    # fold_in(key, step)) could repeat one of theirs (fold_in(k, 1) is split(k)[1]), and drafts
-    # that reuse the last round's random bits would follow what it accepted.
-    stream = jax.random.fold_in(state.key, DRAFT_STREAM)
-    draw = Draw(plan.sampling, jax.random.fold_in(stream, state.step))
+    return _draft_adaptive(plan, target, drafter, state, pairs, draw)
   drafter_cache, nodes = propose(drafter, target, state.drafter_cache, pairs, context, pool, draw)
   state = state.replace(drafter_cache=drafter_cache, node_tokens=nodes[0], node_logp=nodes[1])
   return state.replace(draft_logq=nodes[2]) if draw is not None else state
 
 
-def _draft_adaptive(plan, target, drafter, state, pairs) -> DecodeState:
+def _draw(plan: Plan, state: DecodeState) -> Draw | None:
+  """This round's draws from q (`Plan.drawn`), else None (top-k drafts)."""
+  if not plan.drawn:
+    return None
+  # A stream of its own: keys derived from the rounds' keys (`accept_path` splits
+  # fold_in(key, step)) could repeat one of theirs (fold_in(k, 1) is split(k)[1]), and drafts
+  # that reuse the last round's random bits would follow what it accepted.
+  stream = jax.random.fold_in(state.key, DRAFT_STREAM)
+  return Draw(plan.sampling, jax.random.fold_in(stream, state.step))
+
+
+def _draw_rows(kind: str, pool: tree_lib.Tree, cand: tree_lib.Tree) -> np.ndarray:
+  """The union's rows of q (`draw_tables`) that candidate `cand`'s rows of q fill: its depths'
+  (pspec, medusa) or its parents', by their union node indices (eagle)."""
+  if kind != "eagle":
+    return np.arange(cand.depth)
+  union = {p: i + 1 for i, p in enumerate(pool.paths)}
+  nodes = [0] + [union[p] for p in cand.paths]
+  return np.asarray(nodes[: int((cand.arrays.depth < cand.depth).sum())])
+
+
+def _union_rows(kind: str, pool: tree_lib.Tree) -> int:
+  """How many rows of q the union's `draw_tables` index."""
+  return int(draw_tables(kind, pool).max()) + 1
+
+
+def _draft_adaptive(plan, target, drafter, state, pairs, draw) -> DecodeState:
   """Chooses the next round's candidate (`adaptive.choose`) and drafts its nodes alone, placed
-  at their indices in the union tree; the root alone drafts nothing."""
+  at their indices in the union tree; the root alone drafts nothing. Drawn from q (`draw`), the
+  candidate's rows of q go to the union's rows its nodes index (`_draw_rows`), so that
+  verification reads one table whatever the choice; the choice never depends on the draws."""
   pool = plan.tree
   context = (state.tokens, state.num_tokens)
   batch = state.tokens.shape[0]
@@ -383,6 +416,10 @@ def _draft_adaptive(plan, target, drafter, state, pairs) -> DecodeState:
   choice = adaptive.choose(state.adapt, pool, plan.costs, found, ~state.done)
   union = {p: i + 1 for i, p in enumerate(pool.paths)}
 
+  num_rows = _union_rows(plan.kind, pool) if draw is not None else 1
+  vocab = target.cfg.vocab_size if draw is not None else 1
+  no_logq = jnp.zeros((batch, num_rows, vocab), jnp.float32)
+
   def drafted(cand):
     if not cand.paths:
       cache = feed(drafter, target, state.drafter_cache, pairs)
@@ -390,24 +427,29 @@ def _draft_adaptive(plan, target, drafter, state, pairs) -> DecodeState:
         cache,
         jnp.zeros((batch, pool.num_nodes), jnp.int32),
         jnp.zeros((batch, pool.num_nodes)),
+        no_logq,
       )
-    cache, (tokens, logp) = propose(drafter, target, state.drafter_cache, pairs, context, cand)
+    cache, nodes = propose(drafter, target, state.drafter_cache, pairs, context, cand, draw)
     index = np.asarray([0] + [union[p] for p in cand.paths])
     place = lambda x: jnp.zeros((batch, pool.num_nodes), x.dtype).at[:, index].set(x)
-    return cache, place(tokens), place(logp.astype(jnp.float32))
+    logq = no_logq
+    if draw is not None:
+      logq = logq.at[:, _draw_rows(plan.kind, pool, cand)].set(nodes[2].astype(jnp.float32))
+    return cache, place(nodes[0]), place(nodes[1].astype(jnp.float32)), logq
 
   # One branch per distinct drafted part (candidates differing in their lookup chain share one).
   shapes = [tree_lib.Tree(paths=c.paths) for c in pool.candidates]
   unique = list(dict.fromkeys(shapes))
   which = jnp.asarray([unique.index(t) for t in shapes], jnp.int32)
   branches = [functools.partial(drafted, t) for t in unique]
-  cache, node_tokens, node_logp = jax.lax.switch(which[choice], branches)
-  return state.replace(
+  cache, node_tokens, node_logp, logq = jax.lax.switch(which[choice], branches)
+  state = state.replace(
     drafter_cache=cache,
     node_tokens=node_tokens,
     node_logp=node_logp,
     adapt=state.adapt.replace(choice=choice),
   )
+  return state.replace(draft_logq=logq) if draw is not None else state
 
 
 def round_step(

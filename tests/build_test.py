@@ -5,7 +5,7 @@ import pytest
 
 from configs import llama2_7b, smollm2_135m
 from pspec_jax.drafter_files import shipped_drafter
-from train import build, distill
+from train import build
 
 
 def _smoke(init_from):
@@ -26,12 +26,12 @@ def test_a_drafter_of_another_shape_is_one_clear_error(changes, message):
   config = _smoke(changes.pop("init_from", "shipped"))
   config.drafter.update(changes)
   with pytest.raises(ValueError, match="train.init_from: the drafter in .*" + message):
-    build.init_from(config, distill.step_config(config).target)
+    build.init_from(config, build.step_config(config).target)
 
 
 def test_a_missing_drafter_is_one_clear_error_and_a_matching_one_is_taken(tmp_path):
   config = _smoke(str(tmp_path))
-  target = distill.step_config(config).target
+  target = build.step_config(config).target
   with pytest.raises(ValueError, match="train.init_from: drafter not found: .*drafter.json"):
     build.init_from(config, target)
   config.train.init_from = ""
@@ -41,4 +41,4 @@ def test_a_missing_drafter_is_one_clear_error_and_a_matching_one_is_taken(tmp_pa
   config = llama2_7b.get_config()
   config.train.init_from = "shipped"
   with pytest.raises(ValueError, match="init_from=shipped: no pspec drafter ships for"):
-    build.init_from(config, distill.step_config(config).target)
+    build.init_from(config, build.step_config(config).target)

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec
 
 from pspec_jax import drafter as drafter_lib
 from pspec_jax import llama, presets, sharding
-from train import distill, plan
+from train import build, plan
 from train import step as step_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,7 +40,7 @@ def _count(tree):
 @pytest.mark.parametrize("name", sorted(REAL))
 def test_parameter_counts_match_the_published_sizes(name):
   config = _load(name)
-  cfg = distill.step_config(config)
+  cfg = build.step_config(config)
   key = jax.random.key(0)
   target = jax.eval_shape(lambda: llama.init_params(cfg.target, key))
   drafter = jax.eval_shape(lambda: drafter_lib.init_params(cfg.drafter, key))
@@ -53,7 +53,7 @@ def test_parameter_counts_match_the_published_sizes(name):
 @pytest.mark.parametrize("hardware", ["v4-32", "v5e-16"])
 def test_shardings_on_the_intended_mesh_split_every_large_array(name, hardware):
   config = _load(name, hardware)
-  cfg = distill.step_config(config)
+  cfg = build.step_config(config)
   mesh = plan.abstract_mesh(config)
   assert dict(mesh.shape) == {"data": 1, "fsdp": 16, "tensor": 1}
   place = step_lib.placement(cfg, mesh)
@@ -118,7 +118,7 @@ def test_dry_run_on_the_plans_hardware_compiles_the_sharded_step():
   """On a host with the configured devices (here the 8 fake ones), the dry run compiles the
   train step for the mesh and adds XLA's per-device memory analysis to the plan."""
   config = _tiny_sharded_config(cached_features=False)
-  cfg = distill.step_config(config)
+  cfg = build.step_config(config)
   lines = plan.compiled_memory(config, cfg).splitlines()
   assert lines[0] == "compiled train step on 8 cpu device(s), per device"
   rows = {line[:34].strip(): line[34:].split() for line in lines[1:]}
@@ -137,7 +137,7 @@ def test_dry_run_on_the_plans_hardware_compiles_the_sharded_step():
   )
   assert plain["outputs not aliasing arguments"] < 1024  # the state is donated: metrics only
   config = _tiny_sharded_config(cached_features=True)
-  cached = plan.compiled_bytes(config, distill.step_config(config), mesh)
+  cached = plan.compiled_bytes(config, build.step_config(config), mesh)
   # Features in the batch: no target forward pass, a larger batch.
   assert 0 < cached["temporaries"] < plain["temporaries"]
   assert cached["arrays held (params, state, batch)"] > plain["arrays held (params, state, batch)"]

@@ -265,17 +265,17 @@ def test_a_diverged_run_keeps_only_finite_weights_and_a_sane_restart_finishes(
 
 def test_hyper_parameters_are_checked_before_anything_loads():
   from configs import smollm2_135m
-  from train import distill
+  from train import build
 
   for key, value in [("lr", float("nan")), ("lr", -1.0), ("clip_norm", 0.0), ("steps", 0)]:
     config = smollm2_135m.get_config("smoke")
     config.train[key] = value
     with pytest.raises(ValueError, match=f"train.{key}="):
-      distill.step_config(config)
+      build.step_config(config)
   config = smollm2_135m.get_config("smoke")
   config.data.seq_len = 0  # before: "no conversation has assistant tokens within ..."
   with pytest.raises(ValueError, match="data.seq_len=0: it must be >= 2"):
-    distill.step_config(config)
+    build.step_config(config)
 
 
 def test_a_workdir_that_is_a_file_is_one_error_line(tmp_path):

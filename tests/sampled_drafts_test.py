@@ -324,6 +324,32 @@ def test_drafts_from_a_poor_drafter_keep_the_target_distribution(kind, tree, sam
   assert_matches_joint(samples, probs, target.cfg.vocab_size)
 
 
+# Two candidates whose nodes sit at other indices in their union (0, 1, 2, 0.0, 2.0), so that an
+# eagle candidate's rows of q go elsewhere in the union's; the costs make one of them the choice.
+ADAPTIVE = "adaptive:paths:0/2/2.0|paths:0/1/0.0+lookup:2"
+FAVOUR = {1: ((1, 1), (1, 1), (2, 2)), 2: ((1, 1), (2, 2), (1, 1))}
+
+
+@pytest.mark.parametrize(
+  "kind,favoured,sampling,batch",
+  [("eagle", 1, T1, 4), ("pspec", 2, T07_TOP_K, 1), ("medusa", 1, T07_TOP_P, 4)],
+)
+def test_adaptive_rounds_drawn_from_q_keep_the_target_distribution(kind, favoured, sampling, batch):
+  target = testing.make_target(2.0, seed=3, cfg=SAMPLING_TINY)
+  cfg = decode.DecodeConfig(
+    max_new_tokens=LENGTH, sampling=sampling, num_draft=3, tree=ADAPTIVE, costs=FAVOUR[favoured]
+  )
+  drafter = testing.drafter_for(kind, target, num_draft=3, seed=7)
+  assert decode.make_plan(cfg, drafter, 8).drawn
+  tokens, lengths = testing.padded([PROMPT], width=8)
+  chosen = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter).chosen
+  assert chosen[favoured] == chosen.sum() > 0, chosen
+  samples, tau, _ = sample_many(target, drafter, cfg, batch)
+  assert tau > 1.1  # drafts do get accepted
+  probs, _ = exact_joint(target, PROMPT, LENGTH, sampling)
+  assert_matches_joint(samples, probs, target.cfg.vocab_size)
+
+
 @pytest.mark.parametrize(
   "tree,sampling,batch", [("chain", T07_TOP_P, 1), ("sparse8", T1_TOP_K_P, 4)]
 )

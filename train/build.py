@@ -149,3 +149,34 @@ def initialize_cluster(cluster) -> None:
       f"cluster.num_processes={cluster.num_processes}"
     )
   jax.distributed.initialize(**{k: v for k, v in given.items() if v is not None})
+
+
+def step_config(config: ml_collections.ConfigDict, scan_layers: bool = True):
+  """The train step's config from a training config, its values checked (one ValueError)."""
+  from pspec_jax import losses
+  from train.step import OptimizerConfig, StepConfig
+
+  target = target_config(config, scan_layers)
+  t = config.train
+  for name in ("batch_size", "log_every", "eval_every", "eval_batches", "checkpoint_every"):
+    if t[name] < 1:
+      raise ValueError(f"train.{name}={t[name]}: it must be >= 1")
+  if config.data.seq_len < 2:
+    raise ValueError(f"data.seq_len={config.data.seq_len}: it must be >= 2 (a token and its next)")
+  if t.keep_checkpoints < 1:
+    raise ValueError(f"train.keep_checkpoints={t.keep_checkpoints}: keep at least 1")
+  return StepConfig(
+    target=target,
+    drafter=drafter_config(config, target),
+    loss=losses.LossConfig(**config.loss.to_dict()),
+    optimizer=OptimizerConfig(
+      lr=t.lr,
+      warmup_steps=t.warmup_steps,
+      steps=t.steps,
+      end_lr_ratio=t.end_lr_ratio,
+      weight_decay=t.weight_decay,
+      clip_norm=t.clip_norm,
+    ),
+    microbatches=t.microbatches,
+    cached_features=config.data.cache_features,
+  )

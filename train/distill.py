@@ -27,37 +27,6 @@ from pspec_jax import cli
 FLAGS = flags.FLAGS
 
 
-def step_config(config, scan_layers: bool = True):
-  from pspec_jax import losses
-  from train import build
-  from train.step import OptimizerConfig, StepConfig
-
-  target = build.target_config(config, scan_layers)
-  t = config.train
-  for name in ("batch_size", "log_every", "eval_every", "eval_batches", "checkpoint_every"):
-    if t[name] < 1:
-      raise ValueError(f"train.{name}={t[name]}: it must be >= 1")
-  if config.data.seq_len < 2:
-    raise ValueError(f"data.seq_len={config.data.seq_len}: it must be >= 2 (a token and its next)")
-  if t.keep_checkpoints < 1:
-    raise ValueError(f"train.keep_checkpoints={t.keep_checkpoints}: keep at least 1")
-  return StepConfig(
-    target=target,
-    drafter=build.drafter_config(config, target),
-    loss=losses.LossConfig(**config.loss.to_dict()),
-    optimizer=OptimizerConfig(
-      lr=t.lr,
-      warmup_steps=t.warmup_steps,
-      steps=t.steps,
-      end_lr_ratio=t.end_lr_ratio,
-      weight_decay=t.weight_decay,
-      clip_norm=t.clip_norm,
-    ),
-    microbatches=t.microbatches,
-    cached_features=config.data.cache_features,
-  )
-
-
 def _scalars(metrics: dict, prefix: str = "") -> dict:
   """Flattens metrics (per-depth vectors become `name/d1`, ...) into floats."""
   import numpy as np
@@ -94,7 +63,7 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
   from train import build, features, metrics_log, resume
   from train import step as step_lib
 
-  cfg = step_config(config)
+  cfg = build.step_config(config)
   build.check_target_exists(config)
   if config.distributed:
     build.initialize_cluster(config.cluster)
@@ -316,9 +285,9 @@ def check_workdir(workdir: str) -> None:
 
 def dry_run(config) -> None:
   """Prints per-device bytes of everything a train step holds, for the configured mesh."""
-  from train import plan
+  from train import build, plan
 
-  cfg = step_config(config)
+  cfg = build.step_config(config)
   print(plan.memory_table(config, cfg), flush=True)
   print(plan.compiled_memory(config, cfg))
 
