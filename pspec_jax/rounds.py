@@ -196,13 +196,7 @@ def verify(plan: Plan, target: Target, drafter: Drafter | None, state: DecodeSta
     tree = tree_lib.gated(tree, node_logp, pool.min_prob)
     parts.append((range(1, drafted), jnp.any(tree.children[:, 0] >= 0)))
   if pool.lookup:
-    lookup_tokens, ok = pld_candidates(
-      state.tokens, state.num_tokens, pool.lookup, LOOKUP_NGRAMS[1], LOOKUP_NGRAMS[0]
-    )
-    node_tokens = jnp.concatenate([node_tokens, lookup_tokens], axis=1)
-    if drawn:  # lookup nodes are not drawn from q
-      node_table = jnp.pad(node_table, ((0, 0), (0, pool.lookup)), constant_values=-1)
-    tree = tree_lib.with_lookup(tree, ok)
+    tree, node_tokens, node_table, ok = _with_lookup(state, pool, tree, node_tokens, node_table)
     parts.append((range(drafted, drafted + pool.lookup), jnp.any(ok[:, 0])))
   num_nodes = node_tokens.shape[1]
   run = functools.partial(_run_nodes, target, drafter, state, tree, node_tokens)
@@ -229,6 +223,21 @@ def verify(plan: Plan, target: Target, drafter: Drafter | None, state: DecodeSta
     node_table=node_table,
     draft_logq=state.draft_logq if drawn else None,
   )
+
+
+def _with_lookup(state, pool, tree, node_tokens, node_table, chain_L=None):
+  """The tree with its prompt-lookup chain appended (the nodes `chain_L` allows, where a
+  sequence found a match): (tree, node_tokens, node_table, ok [B, L]). Lookup nodes are not
+  drawn from q: their `node_table` rows are -1."""
+  lookup_tokens, ok = pld_candidates(
+    state.tokens, state.num_tokens, pool.lookup, LOOKUP_NGRAMS[1], LOOKUP_NGRAMS[0]
+  )
+  if chain_L is not None:
+    ok = ok & chain_L[None, :]
+  node_tokens = jnp.concatenate([node_tokens, lookup_tokens], axis=1)
+  if node_table is not None:
+    node_table = jnp.pad(node_table, ((0, 0), (0, pool.lookup)), constant_values=-1)
+  return tree_lib.with_lookup(tree, ok), node_tokens, node_table, ok
 
 
 def _run_nodes(target, drafter, state, tree, node_tokens, nodes):
@@ -259,14 +268,9 @@ def _verify_adaptive(target, drafter, state, pool, tree, node_tokens, node_table
   tree, chain_L = adaptive.restrict(tree, pool, choice)
   runs = jnp.bool_(False)
   if pool.lookup:
-    lookup_tokens, ok = pld_candidates(
-      state.tokens, state.num_tokens, pool.lookup, LOOKUP_NGRAMS[1], LOOKUP_NGRAMS[0]
+    tree, node_tokens, node_table, ok = _with_lookup(
+      state, pool, tree, node_tokens, node_table, chain_L
     )
-    ok = ok & chain_L[None, :]
-    node_tokens = jnp.concatenate([node_tokens, lookup_tokens], axis=1)
-    if node_table is not None:  # lookup nodes are not drawn from q
-      node_table = jnp.pad(node_table, ((0, 0), (0, pool.lookup)), constant_values=-1)
-    tree = tree_lib.with_lookup(tree, ok)
     runs = jnp.any(ok[:, 0])
   # One branch per distinct node set, (candidate, lookup runs) -> branch.
   sets = adaptive.branch_nodes(pool)
