@@ -3,6 +3,7 @@ r"""Measure what a round with each candidate of an adaptive tree costs on this m
   python -m infer.calibrate                           # the shipped drafters, batch size 1
   python -m infer.calibrate --methods=pspec --batch_size=4
   python -m infer.calibrate --methods=eagle --tree="adaptive:paths:0|chain+lookup:6"
+  python -m infer.calibrate --methods=pspec --temperature=1     # sampled rounds, drafts from q
 
 Decoding programs measure missing costs by themselves at their first adaptive decode; this one
 measures them again on demand (e.g. after a change to the machine), prints them with the times
@@ -15,6 +16,7 @@ from absl import flags
 from infer import calibration
 from pspec_jax import checkpoints, cli, decode, drafter_files
 from pspec_jax import prompts as prompts_lib
+from pspec_jax.sampling import SamplingConfig
 
 FLAGS = flags.FLAGS
 
@@ -30,7 +32,9 @@ def main():
   target = checkpoints.load_target(
     FLAGS.target, dtype=dtype, param_dtype=dtype, scan_layers=False, untie_head=True
   )
-  cfg = decode.DecodeConfig(tree=FLAGS.tree)
+  # Sampled rounds are timed apart from greedy ones (the temperature itself costs nothing).
+  sampling = SamplingConfig(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p)
+  cfg = decode.DecodeConfig(tree=FLAGS.tree, sampling=sampling, drafts=FLAGS.drafts)
   for method in FLAGS.methods:
     drafter = drafter_files.resolve_drafter(method, FLAGS.drafter or None, target)
     if drafter is None:
@@ -58,6 +62,12 @@ def define_flags():
   flags.DEFINE_string("drafter", "", "Drafter directory (one method); default: the shipped one.")
   flags.DEFINE_string("tree", "adaptive", "The adaptive tree: adaptive or adaptive:A|B|...")
   flags.DEFINE_integer("batch_size", 1, "Sequences per round.")
+  flags.DEFINE_float("temperature", 0.0, "Time sampled rounds at this temperature (0: greedy).")
+  flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass of the timed rounds (1 disables).")
+  flags.DEFINE_integer("top_k", 0, "Top-k sampling of the timed rounds (0 disables).")
+  flags.DEFINE_enum(
+    "drafts", "sampled", list(decode.DRAFTS), "When sampling: drafts drawn from q, or top-k."
+  )
   flags.DEFINE_string("out", "", "Calibration file; default: under pspec_jax.cache_dir.")
 
 

@@ -4,10 +4,13 @@ An adaptive tree (`pspec_jax.adaptive`) weighs each candidate's expected tokens 
 of a round with it, relative to a plain round. The costs depend on the device, the target, its
 dtype and the batch size, so they are measured once per (device kind, target, dtype, batch) and
 kept in `pspec_jax.cache_dir("calibration")/round_costs.json`, one entry per candidate (its
-drafter kind, draft vocabulary and tree). A program that decodes with an adaptive tree
-(`infer.generate`, `infer.bench`) reads them from there, measuring what is missing at its
-first decode (seconds: a few jitted passes, compiled and timed); `python -m infer.calibrate`
-measures on demand. Every measurement is printed and stored with its raw times:
+drafter kind, draft vocabulary and tree) and acceptance rule: a sampled round (T > 0) costs
+more than a greedy one, and more again with drafts drawn from q (filtering, Gumbel draws), so
+sampled rounds are timed at their own sampling settings and kept apart (`rule_key`). A
+program that decodes with an adaptive tree (`infer.generate`, `infer.bench`) reads them from
+there, measuring what is missing at its first decode (a few jitted passes, compiled and
+timed); `python -m infer.calibrate` measures on demand. Every measurement is printed and
+stored with its raw times:
 
   cost(c) = 1 + (verify(nodes of c) - verify(1) + draft(c) - feed) / (plain round + feed)
 
@@ -21,6 +24,7 @@ line and measured again; it never stops a decode.
 """
 
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -56,11 +60,22 @@ def machine_key(target, batch: int) -> str:
   return key
 
 
-def candidate_key(drafter, candidate) -> str:
-  """One candidate's entry: the drafter kind (and draft vocabulary) and the tree."""
+def rule_key(cfg, drafter) -> str:
+  """The acceptance rule a round is timed under: "" when greedy, else the sampling filters and
+  whether drafts are drawn from q (the temperature itself costs nothing)."""
+  s = cfg.sampling
+  if s.greedy:
+    return ""
+  drawn = decode.make_plan(dataclasses.replace(cfg, costs=()), drafter, 1).drawn
+  return f" | T>0 top_k={s.top_k} top_p={s.top_p:g}, drafts {'from q' if drawn else 'top-k'}"
+
+
+def candidate_key(drafter, candidate, rule: str = "") -> str:
+  """One candidate's entry: the drafter kind (and draft vocabulary), the tree and the
+  acceptance rule (`rule_key`)."""
   c = drafter.cfg
   vocab = f"/v{c.draft_vocab_size}" if c.draft_vocab_size else ""
-  return f"{c.kind}{vocab} {candidate.spec}"
+  return f"{c.kind}{vocab} {candidate.spec}{rule}"
 
 
 def load(path: str) -> dict:
@@ -90,15 +105,17 @@ def save(path: str, machines: dict) -> None:
   os.replace(tmp, path)  # whole or not at all
 
 
-def measure(target, drafter, pool, batch: int, ids: list[int], repeats: int = 15) -> dict:
-  """Raw times (ms, medians of `repeats`) and the costs of every candidate of `pool`.
+def measure(target, drafter, pool, batch: int, ids: list[int], cfg=None, repeats: int = 15) -> dict:
+  """Raw times (ms, medians of `repeats`) and the costs of every candidate of `pool`, under
+  the sampling settings and draft rule of DecodeConfig `cfg` (default: greedy).
 
   Returns {candidate spec: {"costs": [without, with lookup], ...times}}.
   """
   tokens, lengths = prompts_lib.pad_batch([ids] * batch)
   key = jax.random.key(0)
   drafter = drafter.with_head(target)
-  base = decode.DecodeConfig(max_new_tokens=pool.max_depth + 8)
+  cfg = cfg or decode.DecodeConfig()
+  base = dataclasses.replace(cfg, max_new_tokens=pool.max_depth + 8, costs=(), mesh=None)
 
   width = tokens.shape[1]
   plain = decode.make_plan(base, None, width)
@@ -134,7 +151,13 @@ def measure(target, drafter, pool, batch: int, ids: list[int], repeats: int = 15
   feed_ms = measure_lib.median_ms(
     feed, drafter, target, state.drafter_cache, pairs, repeats=repeats
   )
-  propose = jax.jit(propose_lib.propose, static_argnames="pool")
+
+  # A sampled round draws its drafts from q: the filtering and the draws are part of the pass.
+  @functools.partial(jax.jit, static_argnames="pool")
+  def propose(drafter, target, cache, pairs, context, pool, key):
+    draw = propose_lib.Draw(plan.sampling, key) if plan.drawn else None
+    return propose_lib.propose(drafter, target, cache, pairs, context, pool, draw)
+
   context = (state.tokens, state.num_tokens)
   draft_ms = []
   for cand in pool.candidates:
@@ -144,7 +167,15 @@ def measure(target, drafter, pool, batch: int, ids: list[int], repeats: int = 15
     drafted = tree_lib.Tree(paths=cand.paths)
     draft_ms.append(
       measure_lib.median_ms(
-        propose, drafter, target, state.drafter_cache, pairs, context, drafted, repeats=repeats
+        propose,
+        drafter,
+        target,
+        state.drafter_cache,
+        pairs,
+        context,
+        drafted,
+        key,
+        repeats=repeats,
       )
     )
   costs = adaptive.relative_costs(
@@ -208,11 +239,12 @@ def costs_for(
     machines = {}
   key = machine_key(target, batch)
   entries = machines.setdefault(key, {})
-  names = [candidate_key(drafter, c) for c in pool.candidates]
+  rule = rule_key(cfg, drafter)
+  names = [candidate_key(drafter, c, rule) for c in pool.candidates]
   if recalibrate or any(n not in entries for n in names):
-    log(f"calibrating round costs for {pool.spec} on {key} ...")
-    measured = measure(target, drafter, pool, batch, ids)
-    fresh = {candidate_key(drafter, c): measured[c.spec] for c in pool.candidates}
+    log(f"calibrating round costs for {pool.spec}{rule} on {key} ...")
+    measured = measure(target, drafter, pool, batch, ids, cfg)
+    fresh = {n: measured[c.spec] for n, c in zip(names, pool.candidates, strict=True)}
     entries.update(fresh)
     log(explain(key, fresh))
     save(path, machines)

@@ -97,67 +97,92 @@ def greedy_walk(best_M, tokens_M, children_MC, max_depth: int) -> jax.Array:
   return jax.lax.fori_loop(0, max_depth, level, (jnp.int32(0), path))[1]
 
 
+def _levels(level, carry, max_depth: int):
+  """Runs `level(carry) -> (carry, moved)` from the root down while a level accepts a child
+  (at most `max_depth` levels); carry[0] is the level's depth. Vocabulary-sized work is done per
+  level reached, not per tree node: a round that accepts a nodes filters a + 1 rows."""
+  if not max_depth:  # the root alone: plain decoding
+    return carry
+
+  def body(state):
+    carry, _ = state
+    carry, moved = level(carry)
+    return carry, moved
+
+  def more(state):
+    carry, moved = state
+    return moved & (carry[0] < max_depth)
+
+  return jax.lax.while_loop(more, body, (carry, jnp.bool_(True)))[0]
+
+
+def _filled_path(path_P1, node, last_depth):
+  """Levels below the last accepted node (at `last_depth`) repeat it."""
+  return jnp.where(jnp.arange(path_P1.shape[0]) > last_depth, node, path_P1)
+
+
 def sampling_walk(logits_BMV, node_tokens_BM, tree, max_depth, key, cfg):
   """(path_BP1, bonus_B) by multi-child rejection sampling (the module docstring).
 
   The residual r is never written out: it is the current node's distribution with this
   level's rejected tokens set to 0, so the walk carries those tokens and their mass (sum(r) =
-  1 - that mass), reads single probabilities from the logits and their logsumexp, and samples
-  the bonus from the last node's logits with the rejected tokens masked.
+  1 - that mass), reads single probabilities from the node's filtered logits and their
+  logsumexp, and samples the bonus from the last node's logits with the rejected tokens masked.
+  Only the rows of nodes the walk reaches are filtered.
   """
   batch = logits_BMV.shape[0]
   num_slots = tree.children.shape[-1]
-  logits_BMV = filtered_logits(logits_BMV, cfg)
-  lse_BM = jax.nn.logsumexp(logits_BMV, axis=-1)
   walk_key, bonus_key = jax.random.split(key)
   uniform_BPC = jax.random.uniform(walk_key, (batch, max_depth, num_slots))
 
-  def walk(logits_MV, lse_M, tokens_M, children_MC, uniform_PC):
-    def step(i, carry):
-      node, rejected, rejected_mass, walking, moved, path = carry
-      depth, slot = i // num_slots, i % num_slots
-      child = children_MC[node, slot]
-      tried = walking & ~moved & (child >= 0)
-      token = tokens_M[jnp.maximum(child, 0)]
-      fresh = ~jnp.any(rejected == token)  # a rejected token has no mass left
-      mass = jnp.where(fresh, jnp.exp(logits_MV[node, token] - lse_M[node]), 0.0)
-      # mass > 0: rounding may leave 1 - rejected_mass a few ulps off the exact remainder.
-      accepted = tried & (mass > 0) & (uniform_PC[depth, slot] * (1.0 - rejected_mass) < mass)
-      now_rejected = tried & ~accepted
-      rejected = rejected.at[slot].set(jnp.where(now_rejected, token, rejected[slot]))
-      rejected_mass = rejected_mass + jnp.where(now_rejected, mass, 0.0)
-      rejected = jnp.where(accepted, -1, rejected)  # a new node: a fresh residual
-      rejected_mass = jnp.where(accepted, 0.0, rejected_mass)
-      node = jnp.where(accepted, child, node)
+  def walk(logits_MV, tokens_M, children_MC, uniform_PC):
+    row = lambda node: filtered_logits(logits_MV[node], cfg)
+
+    def level(carry):
+      depth, node, logits_V, _, path = carry
+      lse = jax.nn.logsumexp(logits_V)
+
+      def slot(c, inner):
+        child, rejected, rejected_mass = inner
+        kid = children_MC[node, c]
+        tried = (child < 0) & (kid >= 0)
+        token = tokens_M[jnp.maximum(kid, 0)]
+        fresh = ~jnp.any(rejected == token)  # a rejected token has no mass left
+        mass = jnp.where(fresh, jnp.exp(logits_V[token] - lse), 0.0)
+        # mass > 0: rounding may leave 1 - rejected_mass a few ulps off the exact remainder.
+        accepted = tried & (mass > 0) & (uniform_PC[depth, c] * (1.0 - rejected_mass) < mass)
+        now_rejected = tried & ~accepted
+        rejected = rejected.at[c].set(jnp.where(now_rejected, token, rejected[c]))
+        rejected_mass = rejected_mass + jnp.where(now_rejected, mass, 0.0)
+        return jnp.where(accepted, kid, child), rejected, rejected_mass
+
+      start = (jnp.int32(-1), jnp.full((num_slots,), -1, jnp.int32), jnp.float32(0.0))
+      child, rejected, _ = jax.lax.fori_loop(0, num_slots, slot, start)
+      moved = child >= 0
+      node = jnp.where(moved, child, node)
       path = path.at[depth + 1].set(node)
-      moved = moved | accepted
-      last_slot = slot == num_slots - 1
-      walking = jnp.where(last_slot, walking & moved, walking)
-      moved = jnp.where(last_slot, False, moved)
-      return node, rejected, rejected_mass, walking, moved, path
+      # A new node: its own distribution and a fresh residual.
+      logits_V = jnp.where(moved, row(node), logits_V)
+      rejected = jnp.where(moved, -1, rejected)
+      return (depth + moved, node, logits_V, rejected, path), moved
 
     carry = (
       jnp.int32(0),
+      jnp.int32(0),
+      row(0),
       jnp.full((num_slots,), -1, jnp.int32),
-      jnp.float32(0.0),
-      jnp.bool_(True),
-      jnp.bool_(False),
       jnp.zeros((max_depth + 1,), jnp.int32),
     )
-    if max_depth:  # else the root alone: plain decoding
-      carry = jax.lax.fori_loop(0, max_depth * num_slots, step, carry)
-    node, rejected, _, _, _, path = carry
-    residual = (
-      logits_MV[node].at[jnp.maximum(rejected, 0)].min(jnp.where(rejected >= 0, -jnp.inf, jnp.inf))
+    depth, node, logits_V, rejected, path = _levels(level, carry, max_depth)
+    residual = logits_V.at[jnp.maximum(rejected, 0)].min(
+      jnp.where(rejected >= 0, -jnp.inf, jnp.inf)
     )
     # In exact arithmetic the last child holding all the remaining mass is always accepted;
     # if rounding rejected it, nothing is left: draw from the node's distribution instead.
-    residual = jnp.where(jnp.isfinite(residual).any(), residual, logits_MV[node])
-    return path, residual
+    residual = jnp.where(jnp.isfinite(residual).any(), residual, logits_V)
+    return _filled_path(path, node, depth), residual
 
-  path_BP1, residual_BV = jax.vmap(walk)(
-    logits_BMV, lse_BM, node_tokens_BM, tree.children, uniform_BPC
-  )
+  path_BP1, residual_BV = jax.vmap(walk)(logits_BMV, node_tokens_BM, tree.children, uniform_BPC)
   return path_BP1, categorical(bonus_key, residual_BV)
 
 
@@ -177,83 +202,86 @@ def sampled_walk(
   Unlike `sampling_walk`, the residual is a vocabulary-sized vector: r - pi has no short form.
   """
   batch = logits_BMV.shape[0]
-  probs_BMV = jax.nn.softmax(filtered_logits(logits_BMV, cfg), axis=-1)
-  q_BGV = jnp.exp(draft_logq_BGV.astype(jnp.float32))
   walk_key, bonus_key = jax.random.split(key)
   uniform_BPC = jax.random.uniform(walk_key, (batch, max_depth, tree.children.shape[-1]))
   path_BP1, log_residual_BV = recursive_rejection(
-    probs_BMV, q_BGV, node_tokens_BM, node_table_BM, tree.children, tree.depth, uniform_BPC
+    logits_BMV,
+    draft_logq_BGV,
+    node_tokens_BM,
+    node_table_BM,
+    tree.children,
+    tree.depth,
+    uniform_BPC,
+    cfg,
   )
   return path_BP1, categorical(bonus_key, log_residual_BV)
 
 
 def recursive_rejection(
-  probs_BMV, q_BGV, node_tokens_BM, node_table_BM, children_BMC, depth_BM, uniform_BPC
+  logits_BMV, logq_BGV, node_tokens_BM, node_table_BM, children_BMC, depth_BM, uniform_BPC, cfg
 ):
   """The walk of `sampled_walk` with its uniforms given: (path_BP1, log_residual_BV).
 
-  probs_BMV: the target's (filtered) distribution at every node; q_BGV: the draft
-  distributions; children_BMC, depth_BM: the tree's; uniform_BPC: one uniform per level and
-  child slot. log_residual_BV is the log of the (unnormalised) distribution the bonus token is
-  drawn from.
+  logits_BMV: the target's logits at every node, filtered by `cfg` (`filtered_logits`) as the
+  walk reaches them; logq_BGV: the draft log-distributions; children_BMC, depth_BM: the
+  tree's; uniform_BPC: one uniform per level and child slot. log_residual_BV is the log of the
+  (unnormalised) distribution the bonus token is drawn from.
   """
   max_depth, num_slots = uniform_BPC.shape[1:]
 
-  def walk(p_MV, q_GV, tokens_M, table_M, children_MC, depth_M, uniform_PC):
+  def walk(logits_MV, logq_GV, tokens_M, table_M, children_MC, depth_M, uniform_PC):
+    p = lambda node: jax.nn.softmax(filtered_logits(logits_MV[node], cfg))
     # The row the drafted children of each node were drawn from (0 where none: never read).
     kid_table_M = jnp.max(jnp.where(children_MC >= 0, table_M[children_MC], -1), axis=-1)
-    kid_q = lambda node: q_GV[jnp.maximum(kid_table_M[node], 0)]
+    kid_q = lambda node: jnp.exp(logq_GV[jnp.maximum(kid_table_M[node], 0)].astype(jnp.float32))
 
-    def step(carry):
-      i, node, r, q_left, walking, moved, path = carry
-      depth, slot = i // num_slots, i % num_slots
-      child = jnp.maximum(children_MC[node, slot], 0)
-      token = tokens_M[child]
-      from_q = table_M[child] >= 0
-      # pi: q over the siblings not yet tried (q_left), renormalised; a point mass otherwise.
-      q_mass = q_left.sum()
-      # A drawn child of no q mass (q's support ran out before the siblings did) is no draft.
-      tried = walking & ~moved & (children_MC[node, slot] >= 0) & (~from_q | (q_left[token] > 0))
-      pi_token = jnp.where(from_q, q_left[token] / jnp.where(q_mass > 0, q_mass, 1.0), 1.0)
-      r_mass = r.sum()
-      # r[token] > 0: rounding may leave r_mass a few ulps off the exact sum.
-      accepted = tried & (r[token] > 0) & (uniform_PC[depth, slot] * r_mass * pi_token < r[token])
-      rejected = tried & ~accepted
-      onehot = jnp.arange(r.shape[0]) == token
-      pi = jnp.where(from_q, q_left / jnp.where(q_mass > 0, q_mass, 1.0), onehot)
-      residual = jnp.maximum(r / jnp.where(r_mass > 0, r_mass, 1.0) - pi, 0.0)
-      r = jnp.where(rejected, residual, r)
-      q_left = jnp.where(rejected & from_q & onehot, 0.0, q_left)
-      # A new node: its target distribution, and the q its drafted children came from.
-      r = jnp.where(accepted, p_MV[child], r)
-      q_left = jnp.where(accepted, kid_q(child), q_left)
-      node = jnp.where(accepted, child, node)
-      path = path.at[depth + 1].set(jnp.where(accepted, child, path[depth + 1]))
-      moved = moved | accepted
-      last_slot = slot == num_slots - 1
-      walking = jnp.where(last_slot, walking & moved, walking)
-      moved = jnp.where(last_slot, False, moved)
-      return i + 1, node, r, q_left, walking, moved, path
+    def level(carry):
+      depth, node, p_V, r, path = carry
+      kids_C = children_MC[node]
 
-    carry = (
-      jnp.int32(0),
-      jnp.int32(0),
-      p_MV[0],
-      kid_q(0),
-      jnp.bool_(True),
-      jnp.bool_(False),
-      jnp.zeros((max_depth + 1,), jnp.int32),
-    )
-    # Vocabulary-sized steps cost: the walk stops at the first level that accepts nothing.
-    carry = jax.lax.while_loop(lambda c: c[4] & (c[0] < max_depth * num_slots), step, carry)
-    _, node, r, _, _, _, path = carry
-    # Levels below the last accepted node repeat it.
-    path = jnp.where(jnp.arange(max_depth + 1) > depth_M[node], node, path)
+      def slot(inner):
+        c, child, r, q_left = inner
+        kid = jnp.maximum(kids_C[c], 0)
+        token = tokens_M[kid]
+        from_q = table_M[kid] >= 0
+        # pi: q over the siblings not yet tried (q_left), renormalised; a point mass otherwise.
+        q_mass = q_left.sum()
+        # A drawn child of no q mass (q's support ran out before the siblings did) is no draft.
+        tried = (kids_C[c] >= 0) & (~from_q | (q_left[token] > 0))
+        pi_token = jnp.where(from_q, q_left[token] / jnp.where(q_mass > 0, q_mass, 1.0), 1.0)
+        r_mass = r.sum()
+        # r[token] > 0: rounding may leave r_mass a few ulps off the exact sum.
+        accepted = tried & (r[token] > 0) & (uniform_PC[depth, c] * r_mass * pi_token < r[token])
+        rejected = tried & ~accepted
+        onehot = jnp.arange(r.shape[0]) == token
+        pi = jnp.where(from_q, q_left / jnp.where(q_mass > 0, q_mass, 1.0), onehot)
+        residual = jnp.maximum(r / jnp.where(r_mass > 0, r_mass, 1.0) - pi, 0.0)
+        r = jnp.where(rejected, residual, r)
+        q_left = jnp.where(rejected & from_q & onehot, 0.0, q_left)
+        return c + 1, jnp.where(accepted, kid, child), r, q_left
+
+      def untried(inner):  # vocabulary-sized steps only while a child is left to try
+        c, child = inner[:2]
+        return (child < 0) & jnp.any((kids_C >= 0) & (jnp.arange(num_slots) >= c))
+
+      start = (jnp.int32(0), jnp.int32(-1), r, kid_q(node))
+      _, child, r, _ = jax.lax.while_loop(untried, slot, start)
+      moved = child >= 0
+      node = jnp.where(moved, child, node)
+      path = path.at[depth + 1].set(node)
+      # A new node: its target distribution.
+      p_V = jnp.where(moved, p(node), p_V)
+      r = jnp.where(moved, p_V, r)
+      return (depth + moved, node, p_V, r, path), moved
+
+    p_root = p(0)
+    carry = (jnp.int32(0), jnp.int32(0), p_root, p_root, jnp.zeros((max_depth + 1,), jnp.int32))
+    depth, node, p_V, r, path = _levels(level, carry, max_depth)
     # In exact arithmetic a residual is never empty when it is reached; if rounding emptied it,
     # draw from the node's distribution instead.
-    r = jnp.where(r.sum() > 0, r, p_MV[node])
-    return path, jnp.log(r)
+    r = jnp.where(r.sum() > 0, r, p_V)
+    return _filled_path(path, node, depth_M[node]), jnp.log(r)
 
   return jax.vmap(walk)(
-    probs_BMV, q_BGV, node_tokens_BM, node_table_BM, children_BMC, depth_BM, uniform_BPC
+    logits_BMV, logq_BGV, node_tokens_BM, node_table_BM, children_BMC, depth_BM, uniform_BPC
   )

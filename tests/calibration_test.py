@@ -8,6 +8,7 @@ import pytest
 
 from infer import calibration
 from pspec_jax import cpu_kernel, decode, llama, testing
+from pspec_jax.sampling import SamplingConfig
 
 TREE = "adaptive:paths:0|lookup:3"
 PROMPT = [5, 9, 2, 13, 7]
@@ -23,8 +24,8 @@ def fake_measure(monkeypatch):
   """calibration.measure counting its calls, with made-up times."""
   calls = []
 
-  def measure(target, drafter, pool, batch, ids, repeats=15):
-    calls.append((target.cfg.name, batch))
+  def measure(target, drafter, pool, batch, ids, cfg=None, repeats=15):
+    calls.append((target.cfg.name, batch, cfg.sampling if cfg else None))
     return {
       c.spec: dict(
         costs=[1.0 + 0.1 * (c.num_nodes - 1), 1.0 + 0.1 * (c.num_nodes + c.lookup - 1)],
@@ -42,9 +43,9 @@ def fake_measure(monkeypatch):
   return calls
 
 
-def costs(target, tmp_path, batch=1, logs=None, tree=TREE, kind="pspec"):
+def costs(target, tmp_path, batch=1, logs=None, tree=TREE, kind="pspec", **decoding):
   log = (logs if logs is not None else []).append
-  cfg = decode.DecodeConfig(tree=tree)
+  cfg = decode.DecodeConfig(tree=tree, **decoding)
   drafter = testing.drafter_for(kind, target)
   path = str(tmp_path / "costs.json")
   return calibration.costs_for(target, drafter, cfg, batch, PROMPT, path=path, log=log)
@@ -93,6 +94,32 @@ def test_costs_are_measured_again_when_the_machine_key_changes(
   assert sum("|panels: XLA" in k for k in machines) == 1
 
 
+def test_sampled_rounds_are_timed_apart_from_greedy_ones(target, tmp_path, fake_measure):
+  """A sampled round costs more (filtering, draws from q): its costs are measured at its own
+  sampling settings and stored under their own entries, per draft rule and filter."""
+  costs(target, tmp_path)
+  hot = SamplingConfig(temperature=1.0)
+  costs(target, tmp_path, sampling=hot)
+  costs(target, tmp_path, sampling=SamplingConfig(temperature=0.7))  # same rule: read back
+  costs(target, tmp_path, sampling=hot, drafts="top_k")
+  costs(target, tmp_path, sampling=SamplingConfig(temperature=1.0, top_p=0.9))
+  assert [c[2] for c in fake_measure] == [
+    SamplingConfig(),
+    hot,
+    hot,
+    SamplingConfig(temperature=1.0, top_p=0.9),
+  ]
+  (entries,) = json.loads((tmp_path / "costs.json").read_text())["machines"].values()
+  assert "pspec paths:0" in entries
+  assert "pspec paths:0 | T>0 top_k=0 top_p=1, drafts from q" in entries
+  assert "pspec paths:0 | T>0 top_k=0 top_p=1, drafts top-k" in entries
+  assert "pspec paths:0 | T>0 top_k=0 top_p=0.9, drafts from q" in entries
+  # pld has no q: whatever the draft rule, its drafts are the lookup's.
+  costs(target, tmp_path, kind="pld", tree="adaptive:lookup:2|lookup:4", sampling=hot)
+  (entries,) = json.loads((tmp_path / "costs.json").read_text())["machines"].values()
+  assert "pld lookup:2 | T>0 top_k=0 top_p=1, drafts top-k" in entries
+
+
 @pytest.mark.parametrize(
   "content", ["{not json", '{"version": 1, "machines": {"k": {"c": {"costs": [1.0]}}}}', "[]"]
 )
@@ -110,10 +137,13 @@ def test_a_fixed_tree_needs_no_calibration(target, tmp_path, fake_measure):
   assert not fake_measure and not (tmp_path / "costs.json").exists()
 
 
-def test_measured_costs_are_relative_to_a_plain_round(target):
-  pool = decode.resolve_tree(decode.DecodeConfig(tree=TREE), testing.drafter_for("pspec", target))
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_measured_costs_are_relative_to_a_plain_round(target, temperature):
+  """Greedy rounds, and sampled rounds with drafts drawn from q, timed for real."""
+  cfg = decode.DecodeConfig(tree=TREE, sampling=SamplingConfig(temperature=temperature))
+  pool = decode.resolve_tree(cfg, testing.drafter_for("pspec", target))
   measured = calibration.measure(
-    target, testing.drafter_for("pspec", target), pool, 2, PROMPT, repeats=3
+    target, testing.drafter_for("pspec", target), pool, 2, PROMPT, cfg, repeats=3
   )
   assert list(measured) == [c.spec for c in pool.candidates]
   assert measured["paths:"]["costs"] == [1.0, 1.0]

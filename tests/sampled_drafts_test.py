@@ -100,13 +100,14 @@ def implementation_output(p_V, q_V, tokens_S, drawn_S):
   uniform = jnp.concatenate([uniform.reshape(-1, num), jnp.full((1, num), largest)])
   rows = uniform.shape[0]
   path, log_residual = accept.recursive_rejection(
-    jnp.broadcast_to(probs, (rows, *probs.shape)),
-    jnp.broadcast_to(q_V, (rows, 1, q_V.shape[0])),
+    jnp.broadcast_to(jnp.log(probs), (rows, *probs.shape)),
+    jnp.broadcast_to(jnp.log(q_V), (rows, 1, q_V.shape[0])),
     jnp.broadcast_to(tokens, (rows, m)),
     jnp.broadcast_to(table, (rows, m)),
     jnp.broadcast_to(children, (rows, m, num)),
     jnp.broadcast_to(jnp.minimum(jnp.arange(m), 1), (rows, m)),
     uniform[:, None, :],
+    SamplingConfig(temperature=1.0),
   )
   accepted_at = path[:-1, 1].reshape(num, GRID)
   threshold = (accepted_at == jnp.arange(1, m)[:, None]).mean(axis=1)  # a_s
