@@ -67,7 +67,7 @@ def rule_key(cfg, drafter) -> str:
   if s.greedy:
     return ""
   drawn = decode.make_plan(dataclasses.replace(cfg, costs=()), drafter, 1).drawn
-  return f" | T>0 top_k={s.top_k} top_p={s.top_p:g}, drafts {'from q' if drawn else 'top-k'}"
+  return f" [T>0 top_k={s.top_k} top_p={s.top_p:g}, drafts {'from q' if drawn else 'top-k'}]"
 
 
 def candidate_key(drafter, candidate, rule: str = "") -> str:
@@ -111,33 +111,28 @@ def measure(target, drafter, pool, batch: int, ids: list[int], cfg=None, repeats
 
   Returns {candidate spec: {"costs": [without, with lookup], ...times}}.
   """
-  tokens, lengths = prompts_lib.pad_batch([ids] * batch)
-  key = jax.random.key(0)
+  inputs = (*prompts_lib.pad_batch([ids] * batch), jax.random.key(0))  # tokens, lengths, key
   drafter = drafter.with_head(target)
   cfg = cfg or decode.DecodeConfig()
   base = dataclasses.replace(cfg, max_new_tokens=pool.max_depth + 8, costs=(), mesh=None)
-
-  width = tokens.shape[1]
+  # Every pass is compiled first, then all are timed in turns (`measure.interleaved_ms`), so
+  # the machine's drift hits them alike.
+  width = inputs[0].shape[1]
   plain = decode.make_plan(base, None, width)
-  plain_ms = measure_lib.median_ms(
-    decode.round_step,
-    plain,
-    target,
-    None,
-    decode.init(plain, target, None, tokens, lengths, key),
-    repeats=repeats,
-  )
+  calls = {
+    "plain": (decode.round_step, plain, target, None, decode.init(plain, target, None, *inputs))
+  }
   # A verification pass over n nodes: a chain of n - 1 prompt-lookup drafts (no drafter pass).
   pld = drafter_lib.Drafter(
     cfg=drafter_lib.DrafterConfig.for_target("pld", target.cfg, num_draft=1), params={}
   )
-  verify_ms = {}
-  for n in sorted({n for pair in adaptive.verified_nodes(pool) for n in pair}):
-    cfg = dataclasses.replace(base, tree="chain", num_draft=max(n - 1, 1))
+  nodes = sorted({n for pair in adaptive.verified_nodes(pool) for n in pair})
+  for n in nodes:
     d = pld if n > 1 else None
-    plan = decode.make_plan(cfg, d, width)
-    state = decode.init(plan, target, d, tokens, lengths, key)
-    verify_ms[n] = measure_lib.median_ms(decode.verify, plan, target, d, state, repeats=repeats)
+    plan = decode.make_plan(
+      dataclasses.replace(base, tree="chain", num_draft=max(n - 1, 1)), d, width
+    )
+    calls[f"verify {n}"] = (decode.verify, plan, target, d, decode.init(plan, target, d, *inputs))
   # The drafter's pass per candidate, on pairs as wide as a round of the union tree gives.
   kept = pool.max_depth + 1
   pairs = propose_lib.Pairs(
@@ -145,12 +140,9 @@ def measure(target, drafter, pool, batch: int, ids: list[int], cfg=None, repeats
     features=jnp.ones((batch, kept, drafter.cfg.feature_width), target.cfg.dtype),
     count=jnp.ones((batch,), jnp.int32),
   )
-  plan = decode.make_plan(base, drafter, tokens.shape[1])
-  state = decode.init(plan, target, drafter, tokens, lengths, key)
-  feed = jax.jit(propose_lib.feed)
-  feed_ms = measure_lib.median_ms(
-    feed, drafter, target, state.drafter_cache, pairs, repeats=repeats
-  )
+  plan = decode.make_plan(base, drafter, width)
+  state = decode.init(plan, target, drafter, *inputs)
+  calls["feed"] = (jax.jit(propose_lib.feed), drafter, target, state.drafter_cache, pairs)
 
   # A sampled round draws its drafts from q: the filtering and the draws are part of the pass.
   @functools.partial(jax.jit, static_argnames="pool")
@@ -159,25 +151,15 @@ def measure(target, drafter, pool, batch: int, ids: list[int], cfg=None, repeats
     return propose_lib.propose(drafter, target, cache, pairs, context, pool, draw)
 
   context = (state.tokens, state.num_tokens)
-  draft_ms = []
   for cand in pool.candidates:
-    if not cand.paths:
-      draft_ms.append(feed_ms)
-      continue
-    drafted = tree_lib.Tree(paths=cand.paths)
-    draft_ms.append(
-      measure_lib.median_ms(
-        propose,
-        drafter,
-        target,
-        state.drafter_cache,
-        pairs,
-        context,
-        drafted,
-        key,
-        repeats=repeats,
-      )
-    )
+    if cand.paths:
+      drafted = tree_lib.Tree(paths=cand.paths)
+      args = (drafter, target, state.drafter_cache, pairs, context, drafted, inputs[2])
+      calls[f"draft {cand.spec}"] = (propose, *args)
+  ms = measure_lib.interleaved_ms(calls, repeats)
+  plain_ms, feed_ms = ms["plain"], ms["feed"]
+  verify_ms = {n: ms[f"verify {n}"] for n in nodes}
+  draft_ms = [ms.get(f"draft {c.spec}", feed_ms) for c in pool.candidates]
   costs = adaptive.relative_costs(
     pool, plain_ms + feed_ms, verify_ms, [ms - feed_ms for ms in draft_ms]
   )

@@ -39,6 +39,18 @@ def median_ms(fn, *args, repeats: int) -> float:
   return 1e3 * statistics.median(timed(fn, *args)[1] for _ in range(repeats))
 
 
+def interleaved_ms(calls: dict, repeats: int) -> dict:
+  """Median ms per named call {name: (fn, *args)}: each is called once (compiling it), then
+  all are timed in turns, `repeats` times, so drift on the machine hits them alike."""
+  for fn, *args in calls.values():
+    timed(fn, *args)
+  times = {name: [] for name in calls}
+  for _ in range(repeats):
+    for name, (fn, *args) in calls.items():
+      times[name].append(timed(fn, *args)[1])
+  return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+
+
 def encode_prompts(
   tokenizer, prompts, *, source: str, count: int, max_tokens: int | None = None
 ) -> list[list[int]]:

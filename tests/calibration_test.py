@@ -111,13 +111,13 @@ def test_sampled_rounds_are_timed_apart_from_greedy_ones(target, tmp_path, fake_
   ]
   (entries,) = json.loads((tmp_path / "costs.json").read_text())["machines"].values()
   assert "pspec paths:0" in entries
-  assert "pspec paths:0 | T>0 top_k=0 top_p=1, drafts from q" in entries
-  assert "pspec paths:0 | T>0 top_k=0 top_p=1, drafts top-k" in entries
-  assert "pspec paths:0 | T>0 top_k=0 top_p=0.9, drafts from q" in entries
+  assert "pspec paths:0 [T>0 top_k=0 top_p=1, drafts from q]" in entries
+  assert "pspec paths:0 [T>0 top_k=0 top_p=1, drafts top-k]" in entries
+  assert "pspec paths:0 [T>0 top_k=0 top_p=0.9, drafts from q]" in entries
   # pld has no q: whatever the draft rule, its drafts are the lookup's.
   costs(target, tmp_path, kind="pld", tree="adaptive:lookup:2|lookup:4", sampling=hot)
   (entries,) = json.loads((tmp_path / "costs.json").read_text())["machines"].values()
-  assert "pld lookup:2 | T>0 top_k=0 top_p=1, drafts top-k" in entries
+  assert "pld lookup:2 [T>0 top_k=0 top_p=1, drafts top-k]" in entries
 
 
 @pytest.mark.parametrize(
