@@ -35,8 +35,7 @@ def timed(fn, *args):
 
 def median_ms(fn, *args, repeats: int) -> float:
   """Median ms of `repeats` calls of `fn(*args)`, after one call that compiles it."""
-  timed(fn, *args)
-  return 1e3 * statistics.median(timed(fn, *args)[1] for _ in range(repeats))
+  return interleaved_ms({"": (fn, *args)}, repeats)[""]
 
 
 def interleaved_ms(calls: dict, repeats: int) -> dict:
