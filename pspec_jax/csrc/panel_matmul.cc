@@ -44,6 +44,7 @@ namespace {
 constexpr int64_t kWidth = 64;    // columns per panel: pspec_jax.panels.WIDTH
 constexpr int64_t kBlockK = 128;  // panel rows per block: 32 KB of float32, kept in cache
 constexpr int64_t kMaxRows = 64;  // pspec_jax.cpu_kernel.MAX_ROWS
+constexpr int64_t kMaxPanels = 0xffff;  // a call shared by the pool: 4M columns
 
 struct Problem {
   const float* x;  // [m, k]
@@ -209,9 +210,11 @@ const Isa& isa() {
 }
 
 // ---------------------------------------------------------------------------------------
-// The pool. `next` packs the call's generation (high 32 bits) with the next panel to take (low
-// 32 bits): a thread takes a panel only with a compare-and-swap that sees the generation it
-// read the call under, so a late worker can never take a panel of a later call.
+// The pool. `next` packs the call's generation (high 32 bits), its number of panels (16 bits)
+// and the next panel to take (low 16 bits). A thread takes a panel only with a compare-and-swap
+// that sees the generation it read the call under and a panel left to take, so it never reads
+// the problem of a call that is not published yet: a late worker can neither take a panel of a
+// later call nor see a call's problem half written.
 
 inline void pause() {
 #if PSPEC_X86
@@ -239,15 +242,16 @@ class Pool {
   void run(const Problem& p, PanelFn fn) {
     // Calls from two XLA threads at once: the second computes alone, the cores are busy.
     std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
-    if (!busy.owns_lock() || workers_.empty() || p.panels < 2) {
+    if (!busy.owns_lock() || workers_.empty() || p.panels < 2 || p.panels > kMaxPanels) {
       for (int64_t i = 0; i < p.panels; ++i) fn(p, i);
       return;
     }
+    // No thread reads problem_ now: the last call's panels are all taken and done.
     problem_ = p;
     fn_ = fn;
     done_.store(0, std::memory_order_relaxed);
     const uint64_t gen = (next_.load(std::memory_order_relaxed) >> 32) + 1;
-    next_.store(gen << 32, std::memory_order_release);
+    next_.store(gen << 32 | static_cast<uint64_t>(p.panels) << 16, std::memory_order_release);
     if (sleepers_.load() > 0) {
       std::lock_guard<std::mutex> lock(mu_);
       cv_.notify_all();
@@ -261,8 +265,9 @@ class Pool {
     uint64_t v = next_.load(std::memory_order_acquire);
     while (true) {
       if ((v >> 32) != gen) return;
-      const int64_t i = static_cast<int64_t>(v & 0xffffffffu);
-      if (i >= problem_.panels) return;
+      const int64_t panels = static_cast<int64_t>((v >> 16) & 0xffffu);
+      const int64_t i = static_cast<int64_t>(v & 0xffffu);
+      if (i >= panels) return;
       if (!next_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) continue;
       fn_(problem_, i);
       done_.fetch_add(1, std::memory_order_release);
