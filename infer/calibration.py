@@ -51,7 +51,7 @@ def default_path() -> str:
 
 def machine_key(target, batch: int) -> str:
   """The calibration's key: device kind, target, dtype, batch size, and for panel weights
-  which product runs them (the CPU panel kernel or XLA's path cost very differently)."""
+  what runs them (the CPU kernels or XLA's path cost very differently)."""
   device = jax.devices()[0]
   dtype = np.dtype(target.cfg.dtype).name
   key = f"{device.platform}:{device.device_kind}|{target.cfg.name}|{dtype}|batch={batch}"

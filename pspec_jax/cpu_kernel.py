@@ -1,13 +1,20 @@
-"""The CPU panel kernel: x @ W for W in 64-column panels, a few rows at one row's cost.
+"""The CPU kernels of decoding: x @ W for W in 64-column panels, a few rows at one row's cost,
+and a layer's attention over the key/value cache in one pass.
 
-An optional XLA FFI custom call (`csrc/panel_matmul.cc`) for `panels.matmul`'s small-M
-products on XLA:CPU (docs/design.md section 7). YNNPACK, which XLA:CPU gives every product of
+Optional XLA FFI custom calls (`csrc/cpu_kernels.cc`) on XLA:CPU (docs/design.md section 7):
+`matmul` for `panels.matmul`'s small-M products, `attention` for a decoding step's or a tree
+verification's attention (`layers.attend`). YNNPACK, which XLA:CPU gives every product of
 two rows or more, reads a panel as one stream but loses it again from about 6 rows on, and its
 one-row product is no faster than the plain layout's. The kernel streams each panel once,
 whatever the number of rows (up to `MAX_ROWS`), on every core: a thread takes a panel, reads it
 in blocks that stay in L1 and multiplies every row by each block. Each output element is one
 fused multiply-add per k in k order, so a row's result does not depend on how many rows share
 the call: a verified tree node computes bit for bit what a plain decoding step computes.
+
+XLA splits a decoding step's attention into a dozen small dots and reductions that read the
+cache in pieces (at batch 32, 5-10x slower than reading it once). `attention` reads each key and
+value once for all the queries of a head, skips cache slots past a sequence's length, and keeps
+the same row independence: a tree node attends bit for bit as a plain step does.
 
 The kernel is C++ built from source on this machine (`build`; `make setup` runs it, and the
 first use builds it where a compiler exists), kept under `pspec_jax.cache_dir("kernels")`
@@ -30,18 +37,29 @@ from importlib import resources
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import pspec_jax
 
-__all__ = ["MAX_ROWS", "available", "build", "describe", "disabled", "library_path", "matmul"]
+__all__ = [
+  "MAX_ROWS",
+  "attention",
+  "available",
+  "build",
+  "describe",
+  "disabled",
+  "library_path",
+  "matmul",
+]
 
-MAX_ROWS = 64  # csrc/panel_matmul.cc kMaxRows: more rows are a prefill, left to XLA
+MAX_ROWS = 64  # csrc/cpu_kernels.cc kMaxRows: more rows are a prefill, left to XLA
 _TARGET = "pspec_panel_matmul"
+_ATTENTION = "pspec_decode_attention"
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-pthread")
 
 
 def _source() -> bytes:
-  return (resources.files("pspec_jax") / "csrc" / "panel_matmul.cc").read_bytes()
+  return (resources.files("pspec_jax") / "csrc" / "cpu_kernels.cc").read_bytes()
 
 
 def _compiler() -> str | None:
@@ -58,7 +76,7 @@ def library_path() -> str | None:
   key = hashlib.sha256()
   for part in (_source(), version.encode(), jax.ffi.include_dir().encode(), str(_FLAGS).encode()):
     key.update(part)
-  return os.path.join(pspec_jax.cache_dir("kernels"), f"panel_matmul-{key.hexdigest()[:16]}.so")
+  return os.path.join(pspec_jax.cache_dir("kernels"), f"cpu_kernels-{key.hexdigest()[:16]}.so")
 
 
 def build() -> str:
@@ -74,10 +92,10 @@ def build() -> str:
     return path
   os.makedirs(os.path.dirname(path), exist_ok=True)
   with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as tmp:
-    src = os.path.join(tmp, "panel_matmul.cc")
+    src = os.path.join(tmp, "cpu_kernels.cc")
     with open(src, "wb") as f:
       f.write(_source())
-    out = os.path.join(tmp, "panel_matmul.so")
+    out = os.path.join(tmp, "cpu_kernels.so")
     cmd = [_compiler(), *_FLAGS, f"-I{jax.ffi.include_dir()}", src, "-o", out]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
@@ -96,6 +114,7 @@ def _library() -> ctypes.CDLL | None:
     logging.getLogger(__name__).warning("CPU panel kernel unavailable, using XLA: %s", e)
     return None
   jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.PanelMatmul), platform="cpu")
+  jax.ffi.register_ffi_target(_ATTENTION, jax.ffi.pycapsule(lib.DecodeAttention), platform="cpu")
   lib.pspec_panel_matmul_isa.restype = ctypes.c_char_p
   return lib
 
@@ -125,10 +144,10 @@ def disabled():
 def describe() -> str:
   """One line on the kernel in use, for reports: its instruction set and threads, or why not."""
   if not available():
-    return "XLA (no CPU panel kernel)"
+    return "XLA (no CPU kernels)"
   lib = _library()
   isa, threads = lib.pspec_panel_matmul_isa().decode(), lib.pspec_panel_matmul_threads()
-  return f"panel kernel ({isa}, {threads} threads)"
+  return f"CPU kernels ({isa}, {threads} threads)"
 
 
 def matmul(x_MK: jax.Array, w_PKC: jax.Array, n: int) -> jax.Array:
@@ -143,3 +162,27 @@ def matmul(x_MK: jax.Array, w_PKC: jax.Array, n: int) -> jax.Array:
     raise ValueError(f"the CPU panel kernel takes 1 to {MAX_ROWS} rows, got {m}")
   out = jax.ShapeDtypeStruct((m, n), jnp.float32)
   return jax.ffi.ffi_call(_TARGET, out, vmap_method="sequential")(x_MK.astype(jnp.float32), w_PKC)
+
+
+def attention(q_BTKGH, k_BSKH, v_BSKH, cache_len_B, k_BTKH, v_BTKH, mask_BTT, scale: float):
+  """One layer's attention for T new tokens, float32: [B, T, KV, G, H].
+
+  Query (t, kv head, group) attends to cache slots s < cache_len[b] of its head and to new
+  token u where mask[b, t, u], with softmax(q . k * scale); a query that sees nothing averages
+  every slot (XLA's masked softmax). Call only where `available()` and on a CPU
+  (`layers.attend` does both checks).
+  """
+  if _library() is None:
+    raise RuntimeError("the CPU kernels are not available")
+  f32 = lambda x: x.astype(jnp.float32)
+  out = jax.ShapeDtypeStruct(q_BTKGH.shape, jnp.float32)
+  return jax.ffi.ffi_call(_ATTENTION, out, vmap_method="sequential")(
+    f32(q_BTKGH),
+    f32(k_BSKH),
+    f32(v_BSKH),
+    cache_len_B.astype(jnp.int32),
+    f32(k_BTKH),
+    f32(v_BTKH),
+    mask_BTT.astype(jnp.bool_),
+    scale=np.float32(scale),
+  )

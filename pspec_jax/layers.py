@@ -1,10 +1,12 @@
-"""Layers shared by the target and the drafters: rotary embeddings, attention over cache slots,
+"""Layers shared by the target and the drafters: rotary embeddings, attention over cache slots
+and new tokens,
 parameters with logical axis names, dense weights in either storage layout (`panels.LAYOUTS`),
 stacked or per-layer parameters (`LlamaConfig.scan_layers`), and RMSNorm.
 
 `cfg` is a `llama.LlamaConfig` everywhere (the drafters pass their layer's config).
 """
 
+import functools
 import math
 from typing import Any
 
@@ -12,13 +14,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from pspec_jax import panels
+from pspec_jax import cpu_kernel, panels
 
 __all__ = [
   "DENSE_AXES",
   "RMSNorm",
   "apply_rope",
+  "attend",
   "cache_scores",
   "cache_values",
   "dense",
@@ -88,6 +92,55 @@ def cache_values(probs_BTKGS, v_BSKH):
   )
   own = jnp.eye(k, dtype=out.dtype)
   return jnp.einsum("BTKGJH,KJ->BTKGH", out.reshape(b, t, k, g, k, h), own)
+
+
+def attend(cfg, q_BTKGH, k_BTKH, v_BTKH, mask_BTT, cache_kv, cache_len_B):
+  """softmax(q . k / sqrt(H)) v for T new tokens: [B, T, K, G, H] in `cfg.dtype`.
+
+  Keys are the cache's slots s < cache_len[b] (`cache_kv` = (k, v) [B, S, K, H], or None),
+  then the new tokens where `mask_BTT` allows. Scores and softmax run in float32: bf16 logits
+  lose too much at long contexts. Decoding in float32 with panel weights on a CPU (the CPU's
+  decoding layout, never sharded), it is one `cpu_kernel.attention` call where the kernels are
+  built: it reads the cache once; XLA's dots below read it in pieces.
+  """
+  if (
+    cache_kv is not None
+    and cfg.weight_layout == "panels"
+    and jnp.dtype(cfg.dtype) == jnp.float32
+    and cpu_kernel.available()
+  ):
+    args = (q_BTKGH, k_BTKH, v_BTKH, mask_BTT, cache_kv, cache_len_B)
+    b, t = q_BTKGH.shape[:2]
+    kernel = lambda q, k, v, mask, kv, lengths: cpu_kernel.attention(
+      q, *kv, lengths, k, v, jnp.broadcast_to(mask, (b, t, t)), 1.0 / math.sqrt(q.shape[-1])
+    )
+    out = lax.platform_dependent(*args, cpu=kernel, default=functools.partial(_attend, cfg))
+    return out.astype(cfg.dtype)
+  return _attend(cfg, q_BTKGH, k_BTKH, v_BTKH, mask_BTT, cache_kv, cache_len_B)
+
+
+def _attend(cfg, q_BTKGH, k_BTKH, v_BTKH, mask_BTT, cache_kv, cache_len_B):
+  """`attend` with XLA's dots."""
+  dt = cfg.dtype
+  b, t = q_BTKGH.shape[:2]
+  scale = 1.0 / math.sqrt(q_BTKGH.shape[-1])
+  f32 = dict(preferred_element_type=jnp.float32)
+  scores = jnp.einsum("BTKGH,BUKH->BTKGU", q_BTKGH, k_BTKH, **f32) * scale
+  mask_BTU = mask_BTT
+  if cache_kv is not None:
+    # Keys are [cache slots..., new tokens...]; slot s is visible iff s < cache_len[b].
+    k_BSKH, v_BSKH = cache_kv
+    s = k_BSKH.shape[1]
+    visible_BS = jnp.arange(s)[None, :] < cache_len_B[:, None]
+    visible_BTS = jnp.broadcast_to(visible_BS[:, None, :], (b, t, s))
+    scores = jnp.concatenate([cache_scores(q_BTKGH, k_BSKH.astype(dt)) * scale, scores], axis=-1)
+    mask_BTU = jnp.concatenate([visible_BTS, mask_BTT], axis=-1)
+  scores = jnp.where(mask_BTU[:, :, None, None], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+  if cache_kv is None:
+    return jnp.einsum("BTKGU,BUKH->BTKGH", probs, v_BTKH)
+  out = cache_values(probs[..., :s], v_BSKH.astype(dt))
+  return out + jnp.einsum("BTKGU,BUKH->BTKGH", probs[..., s:], v_BTKH)
 
 
 def param(module, name, init, shape, axes, dtype):

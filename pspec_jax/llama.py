@@ -151,31 +151,11 @@ class Attention(nn.Module):
 
   def __call__(self, x_BTD, positions_BT, mask_BTT, cache_kv, cache_len_B):
     cfg = self.cfg
-    n, k, h, dt = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype
+    n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     b, t = x_BTD.shape[:2]
     q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, positions_BT)
     q_BTKGH = q_BTNH.reshape(b, t, k, n // k, h)
-    scale = 1.0 / math.sqrt(h)
-    # Scores and softmax in float32: bf16 logits lose too much at long contexts.
-    f32 = dict(preferred_element_type=jnp.float32)
-    scores = jnp.einsum("BTKGH,BUKH->BTKGU", q_BTKGH, k_BTKH, **f32) * scale
-    mask_BTU = mask_BTT
-    if cache_kv is not None:
-      # Keys are [cache slots..., new tokens...]; slot s is visible iff s < cache_len[b].
-      k_BSKH, v_BSKH = cache_kv
-      cache_scores = layers.cache_scores(q_BTKGH, k_BSKH.astype(dt)) * scale
-      visible_BS = jnp.arange(k_BSKH.shape[1])[None, :] < cache_len_B[:, None]
-      visible_BTS = jnp.broadcast_to(visible_BS[:, None, :], (b, t, k_BSKH.shape[1]))
-      scores = jnp.concatenate([cache_scores, scores], axis=-1)
-      mask_BTU = jnp.concatenate([visible_BTS, mask_BTT], axis=-1)
-    scores = jnp.where(mask_BTU[:, :, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    if cache_kv is not None:
-      s = k_BSKH.shape[1]
-      out = layers.cache_values(probs[..., :s], v_BSKH.astype(dt))
-      out = out + jnp.einsum("BTKGU,BUKH->BTKGH", probs[..., s:], v_BTKH)
-    else:
-      out = jnp.einsum("BTKGU,BUKH->BTKGH", probs, v_BTKH)
+    out = layers.attend(cfg, q_BTKGH, k_BTKH, v_BTKH, mask_BTT, cache_kv, cache_len_B)
     return self._out(out.reshape(b, t, n, h)), (k_BTKH, v_BTKH)
 
   def grouped(self, x_BAPD, positions_BAP, prefix_kv, prefix_mask_BAS):

@@ -90,7 +90,7 @@ def test_costs_are_measured_again_when_the_machine_key_changes(
     costs(packed, tmp_path)  # ... and through XLA
   assert len(fake_measure) == 7
   machines = json.loads((tmp_path / "costs.json").read_text())["machines"]
-  assert sum("|panels: panel kernel (" in k for k in machines) == 1
+  assert sum("|panels: CPU kernels (" in k for k in machines) == 1
   assert sum("|panels: XLA" in k for k in machines) == 1
 
 

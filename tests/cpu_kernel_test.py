@@ -1,4 +1,5 @@
-"""The CPU panel kernel (`pspec_jax.cpu_kernel`) against numpy, and XLA's path where it is off.
+"""The CPU kernels (`pspec_jax.cpu_kernel`: panel products and decoding attention) against
+numpy, and XLA's path where they are off.
 
 The kernel is built on every machine with a C++ compiler (`make setup`), so these tests expect
 it; the fallback is tested in fresh processes where it is turned off or cannot be built.
@@ -114,6 +115,14 @@ _CHECK = textwrap.dedent(
   np.testing.assert_allclose(got, x.astype(np.float64) @ w_KN, atol=1e-3)
   alone = np.asarray(f(jnp.asarray(x[4:5])))
   assert np.array_equal(got[4:5], alone)
+  # Decoding attention: its own answer against numpy's, on the ISA and threads of the run.
+  from tests.cpu_kernel_test import attention_case, numpy_attention
+  for h in (64, 12):
+    args, scale = attention_case(np.random.default_rng(h), 2, 3, 9, 3, 2, h)
+    want = numpy_attention(*args, scale)
+    if cpu_kernel.available():
+      got = cpu_kernel.attention(*map(jnp.asarray, args), scale)
+      np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
   print(cpu_kernel.describe(), "custom call" in f.lower(jnp.asarray(x)).as_text().replace(
       "pspec_panel_matmul", "custom call"))
   """
@@ -134,18 +143,129 @@ def _run(**env):
 
 def test_the_portable_path_and_one_thread_give_the_same_products():
   out, _ = _run(PSPEC_JAX_CPU_KERNEL_ISA="portable", PSPEC_JAX_CPU_KERNEL_THREADS="1")
-  assert out == "panel kernel (portable, 1 threads) True"
+  assert out == "CPU kernels (portable, 1 threads) True"
 
 
 def test_turned_off_panel_products_take_xla_and_stay_right():
   out, _ = _run(PSPEC_JAX_CPU_KERNEL="off")
-  assert out == "XLA (no CPU panel kernel) False"
+  assert out == "XLA (no CPU kernels) False"
 
 
 @pytest.mark.parametrize("cxx", ["no-such-compiler", "false"])
 def test_without_a_working_compiler_panel_products_take_xla_and_say_why(tmp_path, cxx):
   out, err = _run(PSPEC_JAX_CACHE=str(tmp_path), CXX=cxx)
-  assert out == "XLA (no CPU panel kernel) False"
+  assert out == "XLA (no CPU kernels) False"
   why = "no C++ compiler" if cxx == "no-such-compiler" else "building the CPU panel kernel failed"
   assert f"CPU panel kernel unavailable, using XLA: {why}" in err
   assert not [f for _, _, files in os.walk(tmp_path) for f in files]  # nothing half-built
+
+
+# --- decoding attention ---------------------------------------------------------------------
+
+
+def attention_case(rng, b, t, s, kv, g, h):
+  """Random attention inputs (`cpu_kernel.attention`'s order) with ragged cache lengths (one of
+  them 0), a random mask over the new tokens and one new token that sees nothing."""
+  q = rng.standard_normal((b, t, kv, g, h)).astype(np.float32)
+  k_cache, v_cache = rng.standard_normal((2, b, s, kv, h)).astype(np.float32)
+  k_new, v_new = rng.standard_normal((2, b, t, kv, h)).astype(np.float32)
+  cache_len = rng.integers(0, s + 1, b).astype(np.int32)
+  cache_len[0] = 0
+  mask = rng.random((b, t, t)) < 0.6
+  mask[0, t - 1] = False  # with cache_len 0: sees nothing at all (a padding row)
+  return (q, k_cache, v_cache, cache_len, k_new, v_new, mask), 1.0 / np.sqrt(h)
+
+
+def numpy_attention(q, k_cache, v_cache, cache_len, k_new, v_new, mask, scale):
+  """The definition, in float64: scores over [cache slots, new tokens], hidden ones at float32's
+  lowest, softmax, weighted values (a row that sees nothing averages every slot)."""
+  b, t, kv, g, h = q.shape
+  s = k_cache.shape[1]
+  keys = np.concatenate([k_cache, k_new], axis=1).astype(np.float64)  # [B, S+T, KV, H]
+  values = np.concatenate([v_cache, v_new], axis=1).astype(np.float64)
+  scores = np.einsum("btkgh,bukh->btkgu", q.astype(np.float64), keys) * scale
+  visible = np.concatenate(
+    [np.broadcast_to((np.arange(s)[None, :] < cache_len[:, None])[:, None], (b, t, s)), mask], -1
+  )
+  scores = np.where(visible[:, :, None, None], scores, np.finfo(np.float32).min)
+  weights = np.exp(scores - scores.max(-1, keepdims=True))
+  weights /= weights.sum(-1, keepdims=True)
+  return np.einsum("btkgu,bukh->btkgh", weights, values)
+
+
+ATTENTION_SHAPES = [  # B, T, S, KV, G, H: one token or a tree; H off a multiple of 8 (portable)
+  (1, 1, 7, 3, 3, 64),
+  (2, 5, 33, 3, 3, 64),
+  (3, 8, 20, 2, 4, 128),
+  (1, 16, 0, 1, 2, 64),
+  (2, 3, 9, 3, 1, 12),
+]
+
+
+@pytest.mark.parametrize("b,t,s,kv,g,h", ATTENTION_SHAPES)
+def test_decoding_attention_equals_numpy_and_xla(b, t, s, kv, g, h):
+  from pspec_jax import layers
+
+  args, scale = attention_case(np.random.default_rng(b * 100 + t * 10 + s), b, t, s, kv, g, h)
+  got = np.asarray(jax.jit(cpu_kernel.attention, static_argnums=7)(*args, scale))
+  np.testing.assert_allclose(got, numpy_attention(*args, scale), atol=2e-5, rtol=2e-5)
+  q, k_cache, v_cache, cache_len, k_new, v_new, mask = map(jnp.asarray, args)
+  xla = layers._attend(testing.TINY, q, k_new, v_new, mask, (k_cache, v_cache), cache_len)
+  np.testing.assert_allclose(got, np.asarray(xla), atol=2e-5, rtol=2e-5)
+
+
+def test_a_tree_node_attends_bit_for_bit_as_a_plain_step():
+  # A plain step: the node's ancestors are in the cache. A verification: they are new tokens
+  # beside other tree nodes the node does not see. Same keys in the same order: same bits.
+  rng = np.random.default_rng(5)
+  kv, g, h, cached, depth = 3, 3, 64, 40, 3
+  k_all, v_all = rng.standard_normal((2, 1, cached + depth + 1, kv, h)).astype(np.float32)
+  q = rng.standard_normal((1, 1, kv, g, h)).astype(np.float32)
+  s = 64  # cache capacity, past the lengths used
+  pad = lambda x: np.pad(x, ((0, 0), (0, s - x.shape[1]), (0, 0), (0, 0)))
+  plain = cpu_kernel.attention(
+    q,
+    pad(k_all[:, : cached + depth]),
+    pad(v_all[:, : cached + depth]),
+    np.array([cached + depth], np.int32),
+    k_all[:, -1:],
+    v_all[:, -1:],
+    np.ones((1, 1, 1), bool),
+    1 / 8,
+  )
+  # The tree: 2 siblings the node does not see, then its ancestors, then the node itself.
+  sibs = rng.standard_normal((2, 1, 2, kv, h)).astype(np.float32)
+  k_new = np.concatenate([sibs[0], k_all[:, cached:]], axis=1)
+  v_new = np.concatenate([sibs[1], v_all[:, cached:]], axis=1)
+  t = k_new.shape[1]
+  mask = np.tril(np.ones((t, t), bool))[None]
+  mask[0, -1, :2] = False
+  q_tree = np.broadcast_to(q, (1, t, kv, g, h)).copy()
+  tree = cpu_kernel.attention(
+    q_tree,
+    pad(k_all[:, :cached]),
+    pad(v_all[:, :cached]),
+    np.array([cached], np.int32),
+    k_new,
+    v_new,
+    mask,
+    1 / 8,
+  )
+  np.testing.assert_array_equal(np.asarray(tree)[:, -1], np.asarray(plain)[:, 0])
+
+
+def test_decoding_with_panel_weights_takes_the_attention_kernel():
+  from pspec_jax import decode
+
+  target = testing.make_target(1.0).with_weight_layout("panels")
+  tokens, lengths = testing.padded([[3, 1, 4]], width=8)
+  cfg = decode.DecodeConfig(max_new_tokens=4)
+  hlo = lambda t: (
+    jax.jit(lambda: decode.generate(t, tokens, lengths, jax.random.key(0), cfg, None).tokens)
+    .lower()
+    .as_text()
+  )
+  assert "pspec_decode_attention" in hlo(target)
+  assert "pspec_decode_attention" not in hlo(target.with_weight_layout("plain"))
+  with cpu_kernel.disabled():
+    assert "pspec_decode_attention" not in hlo(target)

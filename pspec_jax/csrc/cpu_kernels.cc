@@ -1,0 +1,604 @@
+// The CPU kernels of decoding: XLA FFI handlers (pspec_jax/cpu_kernel.py builds and registers
+// them; docs/design.md section 7).
+//
+// PanelMatmul: x @ W for W stored in 64-column panels, for the few rows of a decoding step.
+//
+//   x [M, K] float32,  W [P, K, 64] float32 or bfloat16 (panel p holds columns 64p..64p+63),
+//   y [M, N] float32 with N <= 64 P (the last panel's padding columns are dropped).
+//
+// A decoding step reads every weight once for a handful of rows, so it is bound by reading
+// the weights. Each panel is one contiguous stream: a thread reads it from memory once, in
+// blocks of `kBlockK` rows that stay in cache while every row of x is multiplied by them.
+//
+// Every output element is one fused multiply-add per k, in k order from zero, whatever M is,
+// whichever thread takes its panel and however the rows are blocked: a row's result does not
+// depend on how many rows share the call, so a verified tree node computes bit for bit what a
+// plain decoding step computes. (The portable path multiplies and adds without fusing, also
+// in k order, so the same holds there.)
+//
+// DecodeAttention: one layer's attention for the new tokens of a decoding step or a tree
+// verification, over the key/value cache and the new tokens themselves (see its section).
+//
+// Threads: the calling thread and a pool of workers take tasks (panels, or a sequence's
+// key/value head) from one shared counter, so a worker that is late or descheduled never
+// holds the call up. Workers spin briefly between calls (a step makes hundreds of them,
+// microseconds apart), then sleep.
+
+#include <sched.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define PSPEC_X86 1
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <cmath>
+#include <limits>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kWidth = 64;    // columns per panel: pspec_jax.panels.WIDTH
+constexpr int64_t kBlockK = 128;  // panel rows per block: 32 KB of float32, kept in cache
+constexpr int64_t kMaxRows = 64;  // pspec_jax.cpu_kernel.MAX_ROWS
+
+struct Problem {
+  const float* x;  // [m, k]
+  const void* w;   // [panels, k, 64], float32 or bfloat16
+  float* y;        // [m, n]
+  int64_t m, k, n, panels;
+  bool bf16;
+};
+
+#if PSPEC_X86
+// ---------------------------------------------------------------------------------------
+// One panel, AVX2 + FMA (16 vector registers of 8 floats).
+
+__attribute__((target("avx2,fma"))) inline __m256 load8(const float* w) {
+  return _mm256_loadu_ps(w);
+}
+
+__attribute__((target("avx2,fma"))) inline __m256 load8(const uint16_t* w) {
+  // bfloat16 is the top half of a float32: widen and shift.
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// The lines of the next block still to ask memory for, one per step of a tile's loop.
+struct Ahead {
+  const char* next;
+  const char* end;
+};
+
+// R rows of x times columns c0..c0+8C-1 of panel rows k0..k1, accumulated into acc ([R, 64]):
+// the R rows share each loaded vector of W, and R*C independent accumulators keep the FMA
+// units busy (6 x 2: 12 accumulators, 2 weight vectors, 1 broadcast).
+template <typename W, int R, int C>
+__attribute__((target("avx2,fma"), always_inline)) inline void tile_avx2(
+    const float* x, int64_t ldx, const W* wp, int64_t k0, int64_t k1, int64_t c0, float* acc,
+    Ahead& ahead) {
+  __m256 a[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) a[r][c] = _mm256_load_ps(acc + r * kWidth + c0 + 8 * c);
+  for (int64_t k = k0; k < k1; ++k) {
+    if (ahead.next < ahead.end) {
+      _mm_prefetch(ahead.next, _MM_HINT_T0);
+      ahead.next += 64;
+    }
+    __m256 w[C];
+    for (int c = 0; c < C; ++c) w[c] = load8(wp + k * kWidth + c0 + 8 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xk = _mm256_broadcast_ss(x + r * ldx + k);
+      for (int c = 0; c < C; ++c) a[r][c] = _mm256_fmadd_ps(xk, w[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm256_store_ps(acc + r * kWidth + c0 + 8 * c, a[r][c]);
+}
+
+// R rows across the whole panel, C vectors of columns at a time.
+template <typename W, int R, int C>
+__attribute__((target("avx2,fma"), always_inline)) inline void rows_avx2(
+    const float* x, int64_t ldx, const W* wp, int64_t k0, int64_t k1, float* acc, Ahead& ahead) {
+  for (int64_t c0 = 0; c0 < kWidth; c0 += 8 * C)
+    tile_avx2<W, R, C>(x, ldx, wp, k0, k1, c0, acc, ahead);
+}
+
+// The last `rows` (< 6) rows, in the tile shape that fits the registers.
+template <typename W>
+__attribute__((target("avx2,fma"))) inline void rest_avx2(
+    int64_t rows, const float* x, int64_t ldx, const W* wp, int64_t k0, int64_t k1, float* acc,
+    Ahead& ahead) {
+  switch (rows) {
+    case 1: return rows_avx2<W, 1, 8>(x, ldx, wp, k0, k1, acc, ahead);
+    case 2: return rows_avx2<W, 2, 4>(x, ldx, wp, k0, k1, acc, ahead);
+    case 3: return rows_avx2<W, 3, 2>(x, ldx, wp, k0, k1, acc, ahead);
+    case 4: return rows_avx2<W, 4, 2>(x, ldx, wp, k0, k1, acc, ahead);
+    case 5: return rows_avx2<W, 5, 2>(x, ldx, wp, k0, k1, acc, ahead);
+  }
+}
+
+template <typename W>
+__attribute__((target("avx2,fma"))) void panel_avx2(const Problem& p, int64_t panel) {
+  const W* wp = static_cast<const W*>(p.w) + panel * p.k * kWidth;
+  alignas(32) float acc[kMaxRows * kWidth];
+  std::memset(acc, 0, sizeof(float) * p.m * kWidth);
+  for (int64_t k0 = 0; k0 < p.k; k0 += kBlockK) {
+    const int64_t k1 = std::min(k0 + kBlockK, p.k);
+    // Row 0 reads the block in order, whole rows of the panel (a sequential stream the
+    // hardware prefetcher follows); the other rows find it in cache.
+    Ahead none{nullptr, nullptr};
+    tile_avx2<W, 1, 8>(p.x, p.k, wp, k0, k1, 0, acc, none);
+    // Their tiles ask memory for the next block meanwhile, a line per step: left to the
+    // hardware, memory would idle while they compute (measured: 20-25% of the time at 4-16
+    // rows).
+    const int64_t k2 = std::min(k1 + kBlockK, p.k);
+    Ahead ahead{reinterpret_cast<const char*>(wp + k1 * kWidth),
+                reinterpret_cast<const char*>(wp + k2 * kWidth)};
+    int64_t r = 1;
+    for (; r + 6 <= p.m; r += 6)
+      rows_avx2<W, 6, 2>(p.x + r * p.k, p.k, wp, k0, k1, acc + r * kWidth, ahead);
+    rest_avx2<W>(p.m - r, p.x + r * p.k, p.k, wp, k0, k1, acc + r * kWidth, ahead);
+  }
+  const int64_t c0 = panel * kWidth, cols = std::min(kWidth, p.n - c0);
+  for (int64_t r = 0; r < p.m; ++r) std::memcpy(p.y + r * p.n + c0, acc + r * kWidth, cols * 4);
+}
+
+#endif  // PSPEC_X86
+
+// ---------------------------------------------------------------------------------------
+// One panel, portable C++: the same loops, multiply then add.
+
+inline float to_float(float v) { return v; }
+
+inline float to_float(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+template <typename W>
+void panel_portable(const Problem& p, int64_t panel) {
+  const W* wp = static_cast<const W*>(p.w) + panel * p.k * kWidth;
+  float acc[kMaxRows * kWidth];
+  std::memset(acc, 0, sizeof(float) * p.m * kWidth);
+  for (int64_t k0 = 0; k0 < p.k; k0 += kBlockK) {
+    const int64_t k1 = std::min(k0 + kBlockK, p.k);
+    for (int64_t r = 0; r < p.m; ++r) {
+      float* ar = acc + r * kWidth;
+      for (int64_t k = k0; k < k1; ++k) {
+        const float xk = p.x[r * p.k + k];
+        const W* wk = wp + k * kWidth;
+        for (int64_t c = 0; c < kWidth; ++c) ar[c] += xk * to_float(wk[c]);
+      }
+    }
+  }
+  const int64_t c0 = panel * kWidth, cols = std::min(kWidth, p.n - c0);
+  for (int64_t r = 0; r < p.m; ++r) std::memcpy(p.y + r * p.n + c0, acc + r * kWidth, cols * 4);
+}
+
+// ---------------------------------------------------------------------------------------
+// Which code runs: AVX2 + FMA where the CPU has it, else portable; PSPEC_JAX_CPU_KERNEL_ISA
+// (avx2 | portable) picks one (the tests run both).
+
+using PanelFn = void (*)(const Problem&, int64_t);
+
+struct Isa {
+  PanelFn f32, bf16;
+  const char* name;
+};
+
+Isa choose_isa() {
+#if PSPEC_X86
+  const char* want = std::getenv("PSPEC_JAX_CPU_KERNEL_ISA");
+  __builtin_cpu_init();
+  bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (want != nullptr && std::strcmp(want, "portable") == 0) avx2 = false;
+  if (avx2) return {panel_avx2<float>, panel_avx2<uint16_t>, "avx2"};
+#endif
+  return {panel_portable<float>, panel_portable<uint16_t>, "portable"};
+}
+
+const Isa& isa() {
+  static const Isa chosen = choose_isa();
+  return chosen;
+}
+
+// ---------------------------------------------------------------------------------------
+// The pool. A job is `count` tasks, task i being fn(ctx, i). `next` packs the call's generation
+// (high 32 bits), its number of tasks (16 bits) and the next task to take (low 16 bits). A
+// thread takes a task only with a compare-and-swap that sees the generation it read the call
+// under and a task left to take, so it never reads the job of a call that is not published
+// yet: a late worker can neither take a task of a later call nor see a job half written.
+
+struct Job {
+  void (*fn)(const void* ctx, int64_t i);
+  const void* ctx;
+  int64_t count;
+};
+
+constexpr int64_t kMaxTasks = 0xffff;  // more tasks than this: the caller runs them alone
+
+inline void pause() {
+#if PSPEC_X86
+  _mm_pause();
+#endif
+}
+
+class Pool {
+ public:
+  explicit Pool(int threads) {
+    for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { work(); });
+  }
+
+  ~Pool() {
+    stop_.store(true);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      cv_.notify_all();
+    }
+    for (auto& t : workers_) t.join();
+  }
+
+  int threads() const { return static_cast<int>(workers_.size()) + 1; }
+
+  void run(const Job& job) {
+    // Calls from two XLA threads at once: the second computes alone, the cores are busy.
+    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
+    if (!busy.owns_lock() || workers_.empty() || job.count < 2 || job.count > kMaxTasks) {
+      for (int64_t i = 0; i < job.count; ++i) job.fn(job.ctx, i);
+      return;
+    }
+    // No thread reads job_ now: the last call's tasks are all taken and done.
+    job_ = job;
+    done_.store(0, std::memory_order_relaxed);
+    const uint64_t gen = (next_.load(std::memory_order_relaxed) >> 32) + 1;
+    next_.store(gen << 32 | static_cast<uint64_t>(job.count) << 16, std::memory_order_release);
+    if (sleepers_.load() > 0) {
+      std::lock_guard<std::mutex> lock(mu_);
+      cv_.notify_all();
+    }
+    take_tasks(gen);
+    while (done_.load(std::memory_order_acquire) < job.count) pause();
+  }
+
+ private:
+  void take_tasks(uint64_t gen) {
+    uint64_t v = next_.load(std::memory_order_acquire);
+    while (true) {
+      if ((v >> 32) != gen) return;
+      const int64_t count = static_cast<int64_t>((v >> 16) & 0xffffu);
+      const int64_t i = static_cast<int64_t>(v & 0xffffu);
+      if (i >= count) return;
+      if (!next_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) continue;
+      job_.fn(job_.ctx, i);
+      done_.fetch_add(1, std::memory_order_release);
+      v = next_.load(std::memory_order_acquire);
+    }
+  }
+
+  void work() {
+    uint64_t seen = 0;
+    while (!stop_.load(std::memory_order_relaxed)) {
+      uint64_t gen = next_.load(std::memory_order_acquire) >> 32;
+      if (gen != seen) {
+        seen = gen;
+        take_tasks(gen);
+        continue;
+      }
+      // Spin for about 200 microseconds, then sleep until the next call.
+      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
+      bool woke = false;
+      while (!woke && std::chrono::steady_clock::now() < until) {
+        for (int i = 0; i < 64; ++i) pause();
+        woke = (next_.load(std::memory_order_acquire) >> 32) != seen || stop_.load();
+      }
+      if (woke) continue;
+      std::unique_lock<std::mutex> lock(mu_);
+      sleepers_.fetch_add(1);
+      cv_.wait(lock, [&] { return (next_.load() >> 32) != seen || stop_.load(); });
+      sleepers_.fetch_sub(1);
+    }
+  }
+
+  std::vector<std::thread> workers_;
+  std::atomic<uint64_t> next_{0};
+  std::atomic<int64_t> done_{0};
+  std::atomic<int> sleepers_{0};
+  std::atomic<bool> stop_{false};
+  std::mutex busy_, mu_;
+  std::condition_variable cv_;
+  Job job_{};
+};
+
+int default_threads() {
+  if (const char* s = std::getenv("PSPEC_JAX_CPU_KERNEL_THREADS")) {
+    const int t = std::atoi(s);
+    if (t >= 1) return t;
+  }
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::min(CPU_COUNT(&set), 8);
+  return 1;
+}
+
+Pool& pool() {
+  static Pool* p = new Pool(default_threads());  // never destroyed: workers outlive exit
+  return *p;
+}
+
+ffi::Error PanelMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                           ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != kWidth) {
+    return ffi::Error::InvalidArgument("panel_matmul: x [M, K], W [P, K, 64], y [M, N]");
+  }
+  const bool bf16 = w.element_type() == ffi::DataType::BF16;
+  if (!bf16 && w.element_type() != ffi::DataType::F32) {
+    return ffi::Error::InvalidArgument("panel_matmul: W must be float32 or bfloat16");
+  }
+  const int64_t m = xd[0], k = xd[1], n = yd[1], panels = wd[0];
+  if (wd[1] != k || yd[0] != m || n > panels * kWidth || m > kMaxRows) {
+    return ffi::Error::InvalidArgument("panel_matmul: shapes do not match");
+  }
+  struct Panels {
+    Problem p;
+    PanelFn fn;
+  } ctx{{x.typed_data(), w.untyped_data(), y->typed_data(), m, k, n, panels, bf16},
+        bf16 ? isa().bf16 : isa().f32};
+  auto one = [](const void* c, int64_t i) {
+    const auto& job = *static_cast<const Panels*>(c);
+    job.fn(job.p, i);
+  };
+  pool().run({one, &ctx, panels});
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------
+// DecodeAttention: softmax(q k^T * scale) v for the T new tokens of one layer, over the key/value
+// cache (slots below the sequence's length) and the new tokens (where `mask` allows), in one
+// pass over the cache: XLA's batched dots read it several times, in small pieces.
+//
+//   q [B, T, KV, G, H], caches [B, S, KV, H], cache_len [B] int32, new keys/values [B, T, KV, H],
+//   mask [B, T, T] bool (new token t sees new token u), out [B, T, KV, G, H]; all float32.
+//
+// A task is one (sequence, key/value head): its T*G query rows read each of its keys and values
+// from memory once (the rows after the first find them in cache). Each row's scores, softmax and weighted sum run in slot order (cache slots, then new
+// tokens), and a hidden slot adds an exact zero, so a row's result does not depend on the
+// other rows of the call nor on hidden slots: a verified tree node, whose ancestors are new
+// tokens, computes bit for bit what a plain step computes with them in the cache. A row that
+// sees nothing at all (padding) averages every slot's value, as a softmax of equal masked
+// scores does.
+
+struct Attention {
+  const float *q, *k_cache, *v_cache, *k_new, *v_new;
+  const int32_t* cache_len;
+  const bool* mask;
+  float* out;
+  int64_t b, t, s, kv, g, h;
+  float scale;
+};
+
+// A row's scores against `n` keys `stride` floats apart, and its weighted values added to `out`
+// (so a sum over the cache and the new tokens runs on as one): one query or output row of H
+// floats against each key or value in turn, in slot order.
+struct RowOps {
+  void (*scores)(const float* q, const float* keys, int64_t stride, int64_t n, int64_t h,
+                 float scale, float* out);
+  void (*values)(const float* weights, const float* values, int64_t stride, int64_t n, int64_t h,
+                 float* out);
+  // w[j] = exp(w[j] - top), or exactly 0 where w[j] is `hidden`.
+  void (*exp_shifted)(float* w, int64_t n, float top, float hidden);
+};
+
+#if PSPEC_X86
+__attribute__((target("avx2,fma"))) void scores_avx2(const float* q, const float* keys,
+                                                      int64_t stride, int64_t n, int64_t h,
+                                                      float scale, float* out) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float* key = keys + j * stride;
+    __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= h; i += 16) {
+      even = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(key + i), even);
+      odd = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), _mm256_loadu_ps(key + i + 8), odd);
+    }
+    if (i < h) even = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(key + i), even);
+    const __m256 sum8 = _mm256_add_ps(even, odd);
+    const __m128 sum4 = _mm_add_ps(_mm256_castps256_ps128(sum8), _mm256_extractf128_ps(sum8, 1));
+    const __m128 sum2 = _mm_add_ps(sum4, _mm_movehl_ps(sum4, sum4));
+    const __m128 sum1 = _mm_add_ss(sum2, _mm_movehdup_ps(sum2));
+    out[j] = _mm_cvtss_f32(sum1) * scale;
+  }
+}
+
+__attribute__((target("avx2,fma"))) void values_avx2(const float* weights, const float* values,
+                                                      int64_t stride, int64_t n, int64_t h,
+                                                      float* out) {
+  for (int64_t c = 0; c < h; c += 32) {  // 4 accumulators of 8 columns (h % 8 == 0)
+    const int64_t width = std::min<int64_t>(32, h - c);
+    __m256 acc[4];
+    for (int v = 0; v < width / 8; ++v) acc[v] = _mm256_loadu_ps(out + c + 8 * v);
+    for (int64_t j = 0; j < n; ++j) {
+      if (weights[j] == 0.0f) continue;  // a hidden slot adds exactly nothing
+      const __m256 p = _mm256_set1_ps(weights[j]);
+      const float* value = values + j * stride + c;
+      for (int v = 0; v < width / 8; ++v)
+        acc[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(value + 8 * v), acc[v]);
+    }
+    for (int v = 0; v < width / 8; ++v) _mm256_storeu_ps(out + c + 8 * v, acc[v]);
+  }
+}
+
+// exp on 8 lanes (Cephes' expf: 2^n e^r with a degree-5 polynomial; relative error ~2e-7).
+__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.37626f));
+  const __m256 n = _mm256_floor_ps(
+      _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i pow2n = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
+}
+
+__attribute__((target("avx2,fma"))) void exp_shifted_avx2(float* w, int64_t n, float top,
+                                                           float hidden) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 x = _mm256_loadu_ps(w + j);
+    const __m256 seen = _mm256_cmp_ps(x, _mm256_set1_ps(hidden), _CMP_NEQ_OQ);
+    const __m256 e = exp8(_mm256_sub_ps(x, _mm256_set1_ps(top)));
+    _mm256_storeu_ps(w + j, _mm256_and_ps(e, seen));
+  }
+  if (j < n) {  // the last few through a padded vector: the same arithmetic per element
+    alignas(32) float tail[8];
+    std::fill_n(tail, 8, hidden);
+    std::copy(w + j, w + n, tail);
+    exp_shifted_avx2(tail, 8, top, hidden);
+    std::copy(tail, tail + (n - j), w + j);
+  }
+}
+#endif
+
+void scores_portable(const float* q, const float* keys, int64_t stride, int64_t n, int64_t h,
+                     float scale, float* out) {
+  for (int64_t j = 0; j < n; ++j) {
+    float acc = 0;
+    for (int64_t i = 0; i < h; ++i) acc += q[i] * keys[j * stride + i];
+    out[j] = acc * scale;
+  }
+}
+
+void exp_shifted_portable(float* w, int64_t n, float top, float hidden) {
+  for (int64_t j = 0; j < n; ++j) w[j] = w[j] != hidden ? std::exp(w[j] - top) : 0.0f;
+}
+
+void values_portable(const float* weights, const float* values, int64_t stride, int64_t n,
+                     int64_t h, float* out) {
+  for (int64_t j = 0; j < n; ++j) {
+    if (weights[j] == 0.0f) continue;
+    for (int64_t c = 0; c < h; ++c) out[c] += weights[j] * values[j * stride + c];
+  }
+}
+
+RowOps row_ops(int64_t h) {
+#if PSPEC_X86
+  if (std::strcmp(isa().name, "avx2") == 0 && h % 8 == 0)
+    return {scores_avx2, values_avx2, exp_shifted_avx2};
+#endif
+  return {scores_portable, values_portable, exp_shifted_portable};
+}
+
+// One (sequence, key/value head): its T*G query rows, one after another, while the head's
+// keys and values stay in cache.
+void attention_task(const void* ctx, int64_t task) {
+  const Attention& a = *static_cast<const Attention*>(ctx);
+  const int64_t bi = task / a.kv, head = task % a.kv, slots = a.s + a.t;
+  const int64_t len = std::clamp<int64_t>(a.cache_len[bi], 0, a.s);
+  const RowOps ops = row_ops(a.h);
+  constexpr float kHidden = -std::numeric_limits<float>::max();  // jnp.finfo(float32).min
+  thread_local std::vector<float> w;                            // [slots]
+  w.resize(slots);
+  const int64_t stride = a.kv * a.h;  // between a head's rows of consecutive slots
+  const float* k_cache = a.k_cache + (bi * a.s * a.kv + head) * a.h;
+  const float* v_cache = a.v_cache + (bi * a.s * a.kv + head) * a.h;
+  const float* k_new = a.k_new + (bi * a.t * a.kv + head) * a.h;
+  const float* v_new = a.v_new + (bi * a.t * a.kv + head) * a.h;
+  for (int64_t tok = 0; tok < a.t; ++tok) {
+    const bool* sees = a.mask + (bi * a.t + tok) * a.t;
+    for (int64_t grp = 0; grp < a.g; ++grp) {
+      const int64_t row = ((bi * a.t + tok) * a.kv + head) * a.g + grp;
+      const float* q = a.q + row * a.h;
+      float* out = a.out + row * a.h;
+      // Scores in slot order: the cache's visible slots, then the new tokens this one sees.
+      ops.scores(q, k_cache, stride, len, a.h, a.scale, w.data());
+      std::fill(w.begin() + len, w.begin() + a.s, kHidden);
+      for (int64_t u = 0; u < a.t; ++u) {
+        w[a.s + u] = kHidden;
+        if (sees[u]) ops.scores(q, k_new + u * stride, 0, 1, a.h, a.scale, &w[a.s + u]);
+      }
+      // Softmax: exp(x - max) / sum, hidden slots exactly zero; a row that sees nothing
+      // (padding) gives every slot the same weight, as XLA's masked softmax does.
+      const float top = *std::max_element(w.begin(), w.end());
+      const bool sees_none = top == kHidden;
+      if (sees_none) {
+        std::fill(w.begin(), w.end(), 1.0f);
+      } else {
+        ops.exp_shifted(w.data(), slots, top, kHidden);
+      }
+      float total = 0;
+      for (int64_t j = 0; j < slots; ++j) total += w[j];
+      for (int64_t j = 0; j < slots; ++j) w[j] /= total;
+      // Weighted values in slot order, one running sum: the cache, then the new tokens.
+      std::fill_n(out, a.h, 0.0f);
+      ops.values(w.data(), v_cache, stride, sees_none ? a.s : len, a.h, out);
+      ops.values(w.data() + a.s, v_new, stride, a.t, a.h, out);
+    }
+  }
+}
+
+ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
+                               ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> cache_len,
+                               ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
+                               ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::F32> out,
+                               float scale) {
+  const auto qd = q.dimensions(), cd = k_cache.dimensions(), nd = k_new.dimensions();
+  if (qd.size() != 5 || cd.size() != 4 || nd.size() != 4) {
+    return ffi::Error::InvalidArgument(
+        "decode_attention: q [B, T, KV, G, H], caches [B, S, KV, H], new [B, T, KV, H]");
+  }
+  const int64_t b = qd[0], t = qd[1], kv = qd[2], g = qd[3], h = qd[4], s = cd[1];
+  const bool same = cd[0] == b && cd[2] == kv && cd[3] == h && v_cache.dimensions() == cd &&
+                    nd[0] == b && nd[1] == t && nd[2] == kv && nd[3] == h &&
+                    v_new.dimensions() == nd && cache_len.element_count() == b &&
+                    mask.element_count() == b * t * t && out->element_count() == q.element_count();
+  if (!same) return ffi::Error::InvalidArgument("decode_attention: shapes do not match");
+  const Attention a{q.typed_data(),     k_cache.typed_data(), v_cache.typed_data(),
+                    k_new.typed_data(), v_new.typed_data(),   cache_len.typed_data(),
+                    mask.typed_data(),  out->typed_data(),    b, t, s, kv, g, h, scale};
+  pool().run({attention_task, &a, b * kv});
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PanelMatmul, PanelMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttention, DecodeAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale"));
+
+// What the library reports of the kernel it loaded (pspec_jax.cpu_kernel.describe).
+extern "C" const char* pspec_panel_matmul_isa() { return isa().name; }
+extern "C" int pspec_panel_matmul_threads() { return pool().threads(); }
