@@ -100,11 +100,13 @@ def attend(cfg, q_BTKGH, k_BTKH, v_BTKH, mask_BTT, cache_kv, cache_len_B):
   Keys are the cache's slots s < cache_len[b] (`cache_kv` = (k, v) [B, S, K, H], or None),
   then the new tokens where `mask_BTT` allows. Scores and softmax run in float32: bf16 logits
   lose too much at long contexts. Decoding in float32 with panel weights on a CPU (the CPU's
-  decoding layout, never sharded), it is one `cpu_kernel.attention` call where the kernels are
-  built: it reads the cache once; XLA's dots below read it in pieces.
+  decoding layout, never sharded), up to `cpu_kernel.MAX_ROWS` new tokens, it is one
+  `cpu_kernel.attention` call where the kernels are built: it reads the cache once; XLA's dots
+  below read it in pieces.
   """
   if (
     cache_kv is not None
+    and q_BTKGH.shape[1] <= cpu_kernel.MAX_ROWS  # more new tokens: a prefill, XLA's GEMMs
     and cfg.weight_layout == "panels"
     and jnp.dtype(cfg.dtype) == jnp.float32
     and cpu_kernel.available()

@@ -269,3 +269,20 @@ def test_decoding_with_panel_weights_takes_the_attention_kernel():
   assert "pspec_decode_attention" not in hlo(target.with_weight_layout("plain"))
   with cpu_kernel.disabled():
     assert "pspec_decode_attention" not in hlo(target)
+
+
+def test_attention_of_more_new_tokens_than_the_kernel_takes_is_xla_s():
+  from pspec_jax import layers
+
+  cfg = testing.TINY.replace(weight_layout="panels")
+  kv, g, h = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+
+  def hlo(t):
+    q, new = jnp.zeros((1, t, kv, g, h)), jnp.zeros((1, t, kv, h))
+    cache = (jnp.zeros((1, 8, kv, h)), jnp.zeros((1, 8, kv, h)))
+    mask, lengths = jnp.ones((1, t, t), bool), jnp.ones((1,), jnp.int32)
+    f = jax.jit(lambda q: layers.attend(cfg, q, new, new, mask, cache, lengths))
+    return f.lower(q).as_text()
+
+  assert "pspec_decode_attention" in hlo(cpu_kernel.MAX_ROWS)
+  assert "pspec_decode_attention" not in hlo(cpu_kernel.MAX_ROWS + 1)  # a prefill
