@@ -130,12 +130,9 @@ def _answerer(config, tokenizer):
 
   s = config.selfdistill
   # Each process decodes alone on its own devices: the batch over their data axis, the
-  # (replicated) weights on each. On one device, the layout that decodes fastest there: on a
-  # CPU, panels, whose kernels also run the attention (faster at a batch of 32 too).
+  # (replicated) weights on each, in the layout that decodes fastest there (on one CPU device,
+  # panels, whose kernels also run the attention: faster at a batch of 32 too).
   devices = jax.local_devices()
-  layout = "decode" if len(devices) == 1 else "plain"
-  target = build.load_target(config, scan_layers=False, weight_layout=layout)
-  drafter = drafter_files.resolve_drafter(s.method, None, target, num_draft=4)
   mesh = None
   if len(devices) > 1:
     if s.batch_size % len(devices):
@@ -144,6 +141,10 @@ def _answerer(config, tokenizer):
         f"{len(devices)} devices"
       )
     mesh = sharding.make_mesh(data=len(devices), devices=devices)
+  layout = checkpoints.decode_layout(mesh)
+  target = build.load_target(config, scan_layers=False, weight_layout=layout)
+  drafter = drafter_files.resolve_drafter(s.method, None, target, num_draft=4)
+  if mesh is not None:
     target, drafter = decode.shard(mesh, target, drafter)
   cfg = decode.DecodeConfig(
     max_new_tokens=s.max_new_tokens,

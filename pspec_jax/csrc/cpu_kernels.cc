@@ -34,10 +34,10 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <cmath>
 #include <limits>
 #include <mutex>
 #include <thread>
@@ -381,15 +381,6 @@ ffi::Error PanelMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
 // sees nothing at all (padding) averages every slot's value, as a softmax of equal masked
 // scores does.
 
-struct Attention {
-  const float *q, *k_cache, *v_cache, *k_new, *v_new;
-  const int32_t* cache_len;
-  const bool* mask;
-  float* out;
-  int64_t b, t, s, kv, g, h;
-  float scale;
-};
-
 // A row's scores against `n` keys `stride` floats apart, and its weighted values added to `out`
 // (so a sum over the cache and the new tokens runs on as one): one query or output row of H
 // floats against each key or value in turn, in slot order.
@@ -508,13 +499,23 @@ RowOps row_ops(int64_t h) {
   return {scores_portable, values_portable, exp_shifted_portable};
 }
 
+struct Attention {
+  const float *q, *k_cache, *v_cache, *k_new, *v_new;
+  const int32_t* cache_len;
+  const bool* mask;
+  float* out;
+  int64_t b, t, s, kv, g, h;
+  float scale;
+  RowOps ops;  // row_ops(h), chosen once per call
+};
+
 // One (sequence, key/value head): its T*G query rows, one after another, while the head's
 // keys and values stay in cache.
 void attention_task(const void* ctx, int64_t task) {
   const Attention& a = *static_cast<const Attention*>(ctx);
   const int64_t bi = task / a.kv, head = task % a.kv, slots = a.s + a.t;
   const int64_t len = std::clamp<int64_t>(a.cache_len[bi], 0, a.s);
-  const RowOps ops = row_ops(a.h);
+  const RowOps& ops = a.ops;
   constexpr float kHidden = -std::numeric_limits<float>::max();  // jnp.finfo(float32).min
   thread_local std::vector<float> w;                            // [slots]
   w.resize(slots);
@@ -574,7 +575,8 @@ ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_
   if (!same) return ffi::Error::InvalidArgument("decode_attention: shapes do not match");
   const Attention a{q.typed_data(),     k_cache.typed_data(), v_cache.typed_data(),
                     k_new.typed_data(), v_new.typed_data(),   cache_len.typed_data(),
-                    mask.typed_data(),  out->typed_data(),    b, t, s, kv, g, h, scale};
+                    mask.typed_data(),  out->typed_data(),    b, t, s, kv, g, h, scale,
+                    row_ops(h)};
   pool().run({attention_task, &a, b * kv});
   return ffi::Error::Success();
 }
