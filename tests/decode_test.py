@@ -186,3 +186,37 @@ def test_argmax_and_categorical_equal_jax_s():
     np.testing.assert_array_equal(
       sampling.categorical(key, x), jax.random.categorical(key, x, axis=-1)
     )
+
+
+def _cache_copies_in_loop(target, barrier: bool) -> int:
+  """Copies of a cache buffer in the compiled plain decoding loop."""
+  cfg = decode.DecodeConfig(max_new_tokens=8, eos_ids=(3,), pad_id=0)
+  tokens, lengths = testing.padded(PROMPTS[:1])
+  plan = decode.make_plan(cfg, None, tokens.shape[1])
+  shape = f"f32[1,{plan.max_len},{TINY.num_kv_heads},{TINY.head_dim}]"
+  original = jax.lax.optimization_barrier
+  if not barrier:
+    jax.lax.optimization_barrier = lambda x: x
+  jax.clear_caches()  # `decode`'s jitted loop would reuse its program traced the other way
+  try:
+    text = (
+      jax.jit(lambda t, l: decode.generate(target, t, l, jax.random.key(0), cfg).tokens)
+      .lower(tokens, lengths)
+      .compile()
+      .as_text()
+    )
+  finally:
+    jax.lax.optimization_barrier = original
+  return sum(
+    1
+    for line in text.splitlines()
+    if f"= {shape}" in line and " copy(" in line and "broadcast" not in line
+  )
+
+
+def test_a_decoding_step_updates_the_cache_in_place():
+  """The commit's write waits for the pass (an optimization barrier in `rounds._commit_path`):
+  without it XLA copied every layer's cache twice per step."""
+  target = testing.make_target(5, cfg=TINY.replace(num_layers=6))
+  assert _cache_copies_in_loop(target, barrier=False) >= 2 * 6 * 2
+  assert _cache_copies_in_loop(target, barrier=True) <= 4  # the last layer's keys and values
