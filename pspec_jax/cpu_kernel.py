@@ -43,6 +43,7 @@ import pspec_jax
 
 __all__ = [
   "MAX_ROWS",
+  "MAX_WEIGHTS",
   "attention",
   "available",
   "build",
@@ -50,9 +51,11 @@ __all__ = [
   "disabled",
   "library_path",
   "matmul",
+  "matmuls",
 ]
 
 MAX_ROWS = 64  # csrc/cpu_kernels.cc kMaxRows: more rows are a prefill, left to XLA
+MAX_WEIGHTS = 4  # kMaxWeights: weights one `matmuls` call multiplies
 _TARGET = "pspec_panel_matmul"
 _ATTENTION = "pspec_decode_attention"
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-pthread")
@@ -155,13 +158,22 @@ def matmul(x_MK: jax.Array, w_PKC: jax.Array, n: int) -> jax.Array:
 
   Call only where `available()` and on a CPU (`panels.matmul` does both checks).
   """
+  return matmuls(x_MK, [(w_PKC, n)])[0]
+
+
+def matmuls(x_MK: jax.Array, weights) -> list[jax.Array]:
+  """x @ W for each (W, n) of `weights` (1 to `MAX_WEIGHTS`) in one kernel call: [M, n] float32
+  each, every one as `matmul` computes it alone; the threads share all their panels."""
   if _library() is None:
-    raise RuntimeError("the CPU panel kernel is not available")
+    raise RuntimeError("the CPU kernels are not available")
   m = x_MK.shape[0]
   if not 1 <= m <= MAX_ROWS:
     raise ValueError(f"the CPU panel kernel takes 1 to {MAX_ROWS} rows, got {m}")
-  out = jax.ShapeDtypeStruct((m, n), jnp.float32)
-  return jax.ffi.ffi_call(_TARGET, out, vmap_method="sequential")(x_MK.astype(jnp.float32), w_PKC)
+  if not 1 <= len(weights) <= MAX_WEIGHTS:
+    raise ValueError(f"the CPU panel kernel takes 1 to {MAX_WEIGHTS} weights, got {len(weights)}")
+  out = [jax.ShapeDtypeStruct((m, n), jnp.float32) for _, n in weights]
+  call = jax.ffi.ffi_call(_TARGET, out, vmap_method="sequential")
+  return list(call(x_MK.astype(jnp.float32), *(w for w, _ in weights)))
 
 
 def attention(q_BTKGH, k_BSKH, v_BSKH, cache_len_B, k_BTKH, v_BTKH, mask_BTT, scale: float):

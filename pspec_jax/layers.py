@@ -26,6 +26,7 @@ __all__ = [
   "cache_scores",
   "cache_values",
   "dense",
+  "dense_many",
   "dense_param",
   "param",
   "relayout",
@@ -182,11 +183,22 @@ def dense(cfg, x_XK, w, n: int, preferred_element_type=None):
   The one matrix product of every layer, whatever the layout: plain weights are reshaped
   (free for row-major arrays; a two-axis contraction made XLA:CPU copy the weight every step).
   """
+  return dense_many(cfg, x_XK, [(w, n)], preferred_element_type)[0]
+
+
+def dense_many(cfg, x_XK, weights, preferred_element_type=None) -> list:
+  """`dense` of the same x by each (W, n) of `weights` (a layer's q, k and v; gate and up). In
+  panels on the CPU kernel they are one call (`panels.matmuls`): a decoding step's threads
+  meet once per group, not once per weight, and share the few panels of k and v."""
   if cfg.weight_layout == "panels":
-    return panels.matmul(x_XK, w, n, cfg.dtype, preferred_element_type)
+    return panels.matmuls(x_XK, weights, cfg.dtype, preferred_element_type)
   x = x_XK.astype(cfg.dtype)
-  w = w.astype(cfg.dtype)
-  return jnp.matmul(x, w.reshape(x.shape[-1], n), preferred_element_type=preferred_element_type)
+  return [
+    jnp.matmul(
+      x, w.astype(cfg.dtype).reshape(x.shape[-1], n), preferred_element_type=preferred_element_type
+    )
+    for w, n in weights
+  ]
 
 
 def relayout(params: dict, layout: str, plain_shapes: dict) -> dict:

@@ -132,10 +132,9 @@ class Attention(nn.Module):
     cfg = self.cfg
     n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     lead = x_XD.shape[:-1]
-    # Projections as 2-D matmuls over flattened heads (`dense`).
-    q = layers.dense(cfg, x_XD, self.wq, n * h).reshape(*lead, n, h)
-    k_ = layers.dense(cfg, x_XD, self.wk, k * h).reshape(*lead, k, h)
-    v = layers.dense(cfg, x_XD, self.wv, k * h).reshape(*lead, k, h)
+    # Projections as 2-D matmuls over flattened heads (`dense_many`: one kernel call for all 3).
+    q, k_, v = layers.dense_many(cfg, x_XD, [(self.wq, n * h), (self.wk, k * h), (self.wv, k * h)])
+    q, k_, v = q.reshape(*lead, n, h), k_.reshape(*lead, k, h), v.reshape(*lead, k, h)
     inv_freq = layers.rope_inv_freq(cfg)
     return (
       layers.apply_rope(q, positions_X, inv_freq),
@@ -194,7 +193,8 @@ class Mlp(nn.Module):
     gate = layers.dense_param(self, "gate", (d,), (f,), ("embed", "mlp"), cfg)
     up = layers.dense_param(self, "up", (d,), (f,), ("embed", "mlp"), cfg)
     down = layers.dense_param(self, "down", (f,), (d,), ("mlp", "embed"), cfg)
-    h_BTF = nn.silu(layers.dense(cfg, x_BTD, gate, f)) * layers.dense(cfg, x_BTD, up, f)
+    gate_BTF, up_BTF = layers.dense_many(cfg, x_BTD, [(gate, f), (up, f)])
+    h_BTF = nn.silu(gate_BTF) * up_BTF
     return layers.dense(cfg, h_BTF, down, d)
 
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pspec_jax import cpu_kernel, panels, testing
+from pspec_jax import cpu_kernel, layers, llama, panels, testing
 
 # M rows, K inputs, N outputs: N and K on and off multiples of the 64-column panel and of the
 # kernel's 128-row blocks, every M up to 16 and the most rows the kernel takes.
@@ -100,6 +100,35 @@ def test_calls_from_several_threads_at_once_each_get_their_own_product():
 def test_too_many_rows_is_one_clear_error():
   with pytest.raises(ValueError, match="1 to 64 rows"):
     cpu_kernel.matmul(jnp.ones((65, 8)), panels.pack(jnp.ones((8, 8))), 8)
+
+
+def test_weights_in_one_call_compute_what_each_computes_alone():
+  # A layer's q, k, v (or gate, up) share one call: float32 and bfloat16 weights, widths on and
+  # off the panel, through the kernel and through `layers.dense_many` in panels.
+  rng = np.random.default_rng(5)
+  k = 300
+  widths, dtypes = (576, 192, 130, 64), (jnp.float32, jnp.bfloat16, jnp.float32, jnp.bfloat16)
+  weights = [
+    panels.pack(jnp.asarray(rng.standard_normal((k, n)), dt))
+    for n, dt in zip(widths, dtypes, strict=True)
+  ]
+  pairs = list(zip(weights, widths, strict=True))
+  cfg = llama.LlamaConfig(
+    vocab_size=8, hidden_size=k, intermediate_size=8, num_layers=1, num_heads=1,
+    num_kv_heads=1, head_dim=2, weight_layout="panels",
+  )  # fmt: skip
+  dense = jax.jit(lambda x, *ws: layers.dense_many(cfg, x, list(zip(ws, widths, strict=True))))
+  for m in (1, 5, 17):
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    together = jax.jit(lambda x, *ws: cpu_kernel.matmuls(x, list(zip(ws, widths, strict=True))))(
+      x, *weights
+    )
+    for got, (w, n) in zip(together, pairs, strict=True):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(kernel_matmul(x, w, n)))
+    for got, (w, n) in zip(dense(x, *weights), pairs, strict=True):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(kernel_matmul(x, w, n)))
+  with pytest.raises(ValueError, match="1 to 4 weights"):
+    cpu_kernel.matmuls(x, pairs + pairs[:1])
 
 
 _CHECK = textwrap.dedent(

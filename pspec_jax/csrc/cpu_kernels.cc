@@ -1,10 +1,11 @@
 // The CPU kernels of decoding: XLA FFI handlers (pspec_jax/cpu_kernel.py builds and registers
 // them; docs/design.md section 7).
 //
-// PanelMatmul: x @ W for W stored in 64-column panels, for the few rows of a decoding step.
+// PanelMatmul: x @ W for W stored in 64-column panels, for the few rows of a decoding step; one
+// call takes 1 to 4 weights that multiply the same rows (y_j = x @ W_j).
 //
-//   x [M, K] float32,  W [P, K, 64] float32 or bfloat16 (panel p holds columns 64p..64p+63),
-//   y [M, N] float32 with N <= 64 P (the last panel's padding columns are dropped).
+//   x [M, K] float32,  W_j [P, K, 64] float32 or bfloat16 (panel p holds columns 64p..64p+63),
+//   y_j [M, N] float32 with N <= 64 P (the last panel's padding columns are dropped).
 //
 // A decoding step reads every weight once for a handful of rows, so it is bound by reading
 // the weights. Each panel is one contiguous stream: a thread reads it from memory once, in
@@ -338,30 +339,55 @@ Pool& pool() {
   return *p;
 }
 
-ffi::Error PanelMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                           ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != kWidth) {
-    return ffi::Error::InvalidArgument("panel_matmul: x [M, K], W [P, K, 64], y [M, N]");
+// Several weights multiply the same rows in one call (a layer's q, k and v, or its gate and up
+// projections): one pool job over all their panels, so the threads synchronise once and share
+// the panels of every weight (k and v alone have 3 panels each, for 2 threads).
+constexpr int64_t kMaxWeights = 4;
+
+ffi::Error PanelMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws, ffi::RemainingRets ys) {
+  const auto xd = x.dimensions();
+  const int64_t count = static_cast<int64_t>(ws.size());
+  if (xd.size() != 2 || count < 1 || count > kMaxWeights || ys.size() != ws.size()) {
+    return ffi::Error::InvalidArgument("panel_matmul: x [M, K], 1 to 4 weights and as many results");
   }
-  const bool bf16 = w.element_type() == ffi::DataType::BF16;
-  if (!bf16 && w.element_type() != ffi::DataType::F32) {
-    return ffi::Error::InvalidArgument("panel_matmul: W must be float32 or bfloat16");
-  }
-  const int64_t m = xd[0], k = xd[1], n = yd[1], panels = wd[0];
-  if (wd[1] != k || yd[0] != m || n > panels * kWidth || m > kMaxRows) {
-    return ffi::Error::InvalidArgument("panel_matmul: shapes do not match");
-  }
+  const int64_t m = xd[0], k = xd[1];
+  if (m > kMaxRows) return ffi::Error::InvalidArgument("panel_matmul: too many rows");
   struct Panels {
-    Problem p;
-    PanelFn fn;
-  } ctx{{x.typed_data(), w.untyped_data(), y->typed_data(), m, k, n, panels, bf16},
-        bf16 ? isa().bf16 : isa().f32};
+    Problem p[kMaxWeights];
+    PanelFn fn[kMaxWeights];
+    int64_t start[kMaxWeights + 1];  // weight j's panels are tasks start[j]..start[j + 1] - 1
+    int64_t count;
+  } ctx{};
+  ctx.count = count;
+  for (int64_t j = 0; j < count; ++j) {
+    auto w = ws.get<ffi::AnyBuffer>(j);
+    auto y = ys.get<ffi::Buffer<ffi::F32>>(j);
+    if (!w.has_value() || !y.has_value()) {
+      return ffi::Error::InvalidArgument("panel_matmul: weights are arrays, results float32");
+    }
+    const auto wd = w->dimensions(), yd = (*y)->dimensions();
+    if (wd.size() != 3 || yd.size() != 2 || wd[2] != kWidth) {
+      return ffi::Error::InvalidArgument("panel_matmul: W [P, K, 64], y [M, N]");
+    }
+    const bool bf16 = w->element_type() == ffi::DataType::BF16;
+    if (!bf16 && w->element_type() != ffi::DataType::F32) {
+      return ffi::Error::InvalidArgument("panel_matmul: W must be float32 or bfloat16");
+    }
+    const int64_t n = yd[1], panels = wd[0];
+    if (wd[1] != k || yd[0] != m || n > panels * kWidth) {
+      return ffi::Error::InvalidArgument("panel_matmul: shapes do not match");
+    }
+    ctx.p[j] = {x.typed_data(), w->untyped_data(), (*y)->typed_data(), m, k, n, panels, bf16};
+    ctx.fn[j] = bf16 ? isa().bf16 : isa().f32;
+    ctx.start[j + 1] = ctx.start[j] + panels;
+  }
   auto one = [](const void* c, int64_t i) {
     const auto& job = *static_cast<const Panels*>(c);
-    job.fn(job.p, i);
+    int64_t j = 0;
+    while (i >= job.start[j + 1]) ++j;
+    job.fn[j](job.p[j], i - job.start[j]);
   };
-  pool().run({one, &ctx, panels});
+  pool().run({one, &ctx, ctx.start[count]});
   return ffi::Error::Success();
 }
 
@@ -586,8 +612,8 @@ ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PanelMatmul, PanelMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .RemainingArgs()
+                                  .RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttention, DecodeAttentionImpl,
                               ffi::Ffi::Bind()
