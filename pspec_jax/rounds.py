@@ -345,9 +345,9 @@ def _commit_path(plan, state, verified, accepted) -> tuple[DecodeState, Pairs]:
   kept = jnp.where(active, jnp.minimum(jnp.minimum(offered, first_eos + 1), budget), 0)
   # The root and the kept drafts but the last enter the cache; the last kept token is the bonus.
   kv_path = tuple(jnp.take_along_axis(x, path[None, :, :, None, None], axis=2) for x in verified.kv)
-  # The write waits for the bonus token, so for the whole pass: XLA then updates the cache in
-  # place. Otherwise a layer's new keys could be written before that layer's attention read the
-  # cache, and XLA copied every layer's cache twice per round to allow it.
+  # The write is tied to the bonus token, so to the whole pass. Without it, plain decoding's
+  # write (its path is the root) did not depend on the attention that reads the cache, and XLA
+  # copied every layer's cache twice per step (docs/design.md 3.6).
   kv_path, bonus = jax.lax.optimization_barrier((kv_path, bonus))
   cache = state.cache.write(kv_path, kept)
   # Rows past `kept` write to index `total`, which mode="drop" discards.
