@@ -150,7 +150,9 @@ def test_eos_inside_an_accepted_path_cuts_the_round(target):
 
 
 def test_batch_of_one_equals_the_batch(target):
-  cfg = decode.DecodeConfig(max_new_tokens=16, tree="sparse8")
+  # test_greedy_speculative_equals_plain_greedy_for_one_sequence's settings: its medusa program
+  # is this batch-of-one program.
+  cfg = decode.DecodeConfig(max_new_tokens=20, tree="sparse8")
   drafter = testing.drafter_for("medusa", target)
   batch = decode.generate(target, *testing.padded(testing.PROMPTS), jax.random.key(0), cfg, drafter)
   for row, prompt in enumerate(testing.PROMPTS):
@@ -170,23 +172,34 @@ def oracle_proposer(reference_BW):
   return propose
 
 
-@pytest.mark.parametrize("num_draft", [1, 3, 5])
-def test_oracle_drafter_reaches_tau_k_plus_one(target, monkeypatch, num_draft):
-  rounds = 5
+ORACLE_ROUNDS, ORACLE_DRAFTS = 5, (1, 3, 5)
+
+
+@pytest.fixture(scope="module")
+def oracle_reference(target):
+  """Plain greedy tokens of PROMPTS, enough for every K's rounds (one program for all K: the
+  first n tokens of a longer greedy decode are the n-token decode)."""
+  k = max(ORACLE_DRAFTS)
+  cfg = decode.DecodeConfig(max_new_tokens=1 + ORACLE_ROUNDS * (k + 1) + k)
+  return decode.generate(target, *testing.padded(testing.PROMPTS), jax.random.key(0), cfg).tokens
+
+
+@pytest.mark.parametrize("num_draft", ORACLE_DRAFTS)
+def test_oracle_drafter_reaches_tau_k_plus_one(target, oracle_reference, monkeypatch, num_draft):
+  rounds = ORACLE_ROUNDS
   max_new = 1 + rounds * (num_draft + 1)
   tokens, lengths = testing.padded(testing.PROMPTS)
-  cfg = decode.DecodeConfig(max_new_tokens=max_new + num_draft, num_draft=num_draft)
-  reference = decode.generate(target, tokens, lengths, jax.random.key(0), cfg)
+  reference = oracle_reference[:, : max_new + num_draft]
   full = np.zeros((len(testing.PROMPTS), 16 + max_new + 2 * num_draft), np.int32)
   for row, prompt in enumerate(testing.PROMPTS):
     full[row, : len(prompt)] = prompt
-    full[row, len(prompt) : len(prompt) + cfg.max_new_tokens] = reference.tokens[row]
+    full[row, len(prompt) : len(prompt) + reference.shape[1]] = reference[row]
   monkeypatch.setitem(propose_lib.PROPOSERS, "pld", oracle_proposer(jnp.asarray(full)))
   cfg = decode.DecodeConfig(max_new_tokens=max_new, num_draft=num_draft)
   out = decode.generate(
     target, tokens, lengths, jax.random.key(0), cfg, testing.drafter_for("pld", target)
   )
-  assert out.tokens.tolist() == reference.tokens[:, :max_new].tolist()
+  assert out.tokens.tolist() == reference[:, :max_new].tolist()
   assert out.rounds.tolist() == [rounds] * len(testing.PROMPTS)
   np.testing.assert_array_equal(out.tau, num_draft + 1)
   np.testing.assert_array_equal(out.accepted_per_depth, rounds)
@@ -194,7 +207,8 @@ def test_oracle_drafter_reaches_tau_k_plus_one(target, monkeypatch, num_draft):
 
 def test_stream_equals_generate_with_a_drafter(target):
   tokens, lengths = testing.padded(testing.PROMPTS)
-  cfg = decode.DecodeConfig(max_new_tokens=20, eos_ids=(3,), tree="dynamic:5")
+  # The settings of test_greedy_speculative_equals_plain_greedy: its program for eagle is reused.
+  cfg = decode.DecodeConfig(max_new_tokens=24, eos_ids=(3,), tree="dynamic:6")
   drafter = testing.drafter_for("eagle", target)
   out = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter)
   pieces = [[] for _ in testing.PROMPTS]
@@ -496,8 +510,10 @@ def test_a_round_without_a_lookup_match_verifies_the_drafted_tree_alone(target):
 
 
 def gate_cuts(target, drafter, cfg):
-  """Per round of greedy decoding of PROMPTS: [B] masks of the active sequences, of those whose
-  gate cut some of their drafted nodes, and of those whose gate cut all of them."""
+  """Greedy decoding of PROMPTS round by round (`generate`'s rounds, stepped from the host).
+
+  Returns its output and, per round, [B] masks of the active sequences, of those whose gate cut
+  some of their drafted nodes, and of those whose gate cut all of them."""
   tokens, lengths = testing.padded(testing.PROMPTS)
   plan = decode.make_plan(cfg, drafter, tokens.shape[1])
   pool = plan.tree
@@ -516,7 +532,7 @@ def gate_cuts(target, drafter, cfg):
     active = ~np.asarray(state.done)
     rounds.append((active, active & (left < links), active & (left == 0)))
     state = decode.round_step(plan, target, drafter, state)
-  return rounds
+  return decode.finish(plan, state), rounds
 
 
 @pytest.mark.parametrize("kind", ["pspec", "eagle", "medusa"])
@@ -532,9 +548,16 @@ def gate_cuts(target, drafter, cfg):
   ],
 )
 def test_gated_trees_stay_lossless(target, kind, tree, cuts):
-  drafter = testing.drafter_for(kind, target)
-  cfg, _, _ = assert_greedy_lossless(target, drafter, tree)
-  rounds = gate_cuts(target, drafter.with_head(target), cfg)
+  # The rounds that `generate` loops over, stepped one at a time so that each round's gate can
+  # be read: one compiled round, not a second whole decoding program.
+  tokens, lengths = testing.padded(testing.PROMPTS)
+  cfg = decode.DecodeConfig(max_new_tokens=24, eos_ids=(3,), tree=tree)
+  plain = decode.generate(target, tokens, lengths, jax.random.key(0), cfg)
+  drafter = testing.drafter_for(kind, target).with_head(target)
+  spec, rounds = gate_cuts(target, drafter, cfg)
+  assert spec.tokens.tolist() == plain.tokens.tolist()
+  assert spec.lengths.tolist() == plain.lengths.tolist()
+  np.testing.assert_allclose(spec.tau * spec.rounds, spec.lengths - 1, rtol=1e-6)
   if cuts == "some":  # a round where some active sequences lose all their drafts, not all
     assert any(all_cut.any() and (all_cut != active).any() for active, _, all_cut in rounds)
   elif cuts == "all":  # a round where every active sequence loses all its drafts
