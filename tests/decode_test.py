@@ -200,7 +200,7 @@ def _cache_copies_in_loop(target, barrier: bool) -> int:
   jax.clear_caches()  # `decode`'s jitted loop would reuse its program traced the other way
   try:
     text = (
-      jax.jit(lambda t, l: decode.generate(target, t, l, jax.random.key(0), cfg).tokens)
+      jax.jit(lambda t, n: decode.generate(target, t, n, jax.random.key(0), cfg).tokens)
       .lower(tokens, lengths)
       .compile()
       .as_text()
