@@ -348,7 +348,7 @@ def _commit_path(plan, state, verified, accepted) -> tuple[DecodeState, Pairs]:
   # The write is tied to the bonus token, so to the whole pass. Without it, plain decoding's
   # write (its path is the root) did not depend on the attention that reads the cache, and XLA
   # copied every layer's cache twice per step (docs/design.md 3.6).
-  kv_path, bonus = jax.lax.optimization_barrier((kv_path, bonus))
+  kv_path, _ = jax.lax.optimization_barrier((kv_path, bonus))
   cache = state.cache.write(kv_path, kept)
   # Rows past `kept` write to index `total`, which mode="drop" discards.
   where = jnp.where(index < kept[:, None], n[:, None] + 1 + index, total)

@@ -348,7 +348,7 @@ ffi::Error PanelMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws, ffi::
   const auto xd = x.dimensions();
   const int64_t count = static_cast<int64_t>(ws.size());
   if (xd.size() != 2 || count < 1 || count > kMaxWeights || ys.size() != ws.size()) {
-    return ffi::Error::InvalidArgument("panel_matmul: x [M, K], 1 to 4 weights and as many results");
+    return ffi::Error::InvalidArgument("panel_matmul: x [M, K], 1 to 4 weights, as many results");
   }
   const int64_t m = xd[0], k = xd[1];
   if (m > kMaxRows) return ffi::Error::InvalidArgument("panel_matmul: too many rows");
@@ -356,9 +356,7 @@ ffi::Error PanelMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws, ffi::
     Problem p[kMaxWeights];
     PanelFn fn[kMaxWeights];
     int64_t start[kMaxWeights + 1];  // weight j's panels are tasks start[j]..start[j + 1] - 1
-    int64_t count;
   } ctx{};
-  ctx.count = count;
   for (int64_t j = 0; j < count; ++j) {
     auto w = ws.get<ffi::AnyBuffer>(j);
     auto y = ys.get<ffi::Buffer<ffi::F32>>(j);
