@@ -44,7 +44,10 @@ def _silence_abandoned_orbax_reads() -> None:
   in orbax's event-loop thread, and each prints a TensorStore spec hundreds of lines long:
   coroutines "ignored" when collected, tasks whose "exception was never retrieved", callbacks
   onto the closed loop. The failure itself is reported in one line (`_reason`), so for the
-  rest of the process those echoes are dropped; every other error still prints."""
+  rest of the process those echoes are dropped; every other error still prints.
+
+  Installed before the first restore, not after a failure: an abandoned read can fail on
+  orbax's closed loop before the restore's exception reaches the caller."""
   import logging
   import traceback
 
@@ -108,7 +111,10 @@ def restore_newest(manager, abstract_state, *, main: bool = True) -> Restored:
   from train import step as step_lib
 
   skipped, damaged = [], []
-  for step in sorted(manager.all_steps(), reverse=True):
+  steps = sorted(manager.all_steps(), reverse=True)
+  if steps:
+    _silence_abandoned_orbax_reads()
+  for step in steps:
     try:
       restored = manager.restore(
         step,
@@ -123,7 +129,6 @@ def restore_newest(manager, abstract_state, *, main: bool = True) -> Restored:
       if not bool(jax.device_get(step_lib.all_finite(restored.state.params))):
         raise ValueError("its weights hold NaN or Inf")
     except Exception as e:  # noqa: BLE001 - any failure to read a checkpoint back is damage
-      _silence_abandoned_orbax_reads()
       skipped.append(f"step {step}: {_reason(e)}")
       damaged.append(step)
       continue
