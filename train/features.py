@@ -6,11 +6,13 @@ drafters trained on one dataset). With `data.cache_features`, `train.distill` ru
 over every row once and trains from the stored features ([N, S, D] float32, memory-mapped; for a
 drafter with `feature_layers` [N, S, D + E]: f, then the hidden states h it reads, from the same
 pass); the result is the same as running the target inside every step. The file is keyed by the rows
-and the target, so any change to either computes it afresh; a killed computation leaves no
-partial file behind.
+and the target, so any change to either computes it afresh. A killed computation resumes at the
+first batch it had not written (its partial file and a progress record sit next to the
+cache file until it completes).
 """
 
 import hashlib
+import json
 import os
 
 import jax
@@ -33,6 +35,30 @@ def _key(token_data: data.TokenData, target: Target, feature_layers: tuple[int, 
   return digest.hexdigest()[:16]
 
 
+def _write_progress(progress: str, record: dict) -> None:
+  with open(progress + ".tmp", "w") as f:
+    json.dump(record, f)
+  os.replace(progress + ".tmp", progress)
+
+
+def _resume(partial: str, progress: str, shape: tuple):
+  """The partial file to write into and the first row still to compute: where a killed
+  computation stopped, or a fresh file at row 0."""
+  try:
+    with open(progress) as f:
+      record = json.load(f)
+    rows = int(record["rows"])
+    if tuple(record["shape"]) == shape and 0 <= rows <= shape[0]:
+      out = np.lib.format.open_memmap(partial, mode="r+")
+      if out.shape == shape and out.dtype == np.float32:
+        return out, rows
+  except (OSError, ValueError, KeyError, TypeError):
+    pass  # none, or not one this computation can continue: start over
+  out = np.lib.format.open_memmap(partial, mode="w+", dtype=np.float32, shape=shape)
+  _write_progress(progress, dict(shape=list(shape), rows=0))
+  return out, 0
+
+
 def target_features(
   token_data: data.TokenData,
   target: Target,
@@ -48,9 +74,9 @@ def target_features(
   if not os.path.exists(path):
     os.makedirs(cache_dir, exist_ok=True)
     n, s = token_data.tokens.shape
-    partial = path + ".partial.npy"
-    width = target.cfg.hidden_size * (1 + len(feature_layers))
-    out = np.lib.format.open_memmap(partial, mode="w+", dtype=np.float32, shape=(n, s, width))
+    shape = (n, s, target.cfg.hidden_size * (1 + len(feature_layers)))
+    partial, progress = path + ".partial.npy", path + ".partial.json"
+    out, start = _resume(partial, progress, shape)
 
     @jax.jit
     def forward(params, tokens, segments):
@@ -59,11 +85,17 @@ def target_features(
       got = Target(cfg=target.cfg, params=params)(tokens, positions, None, mask, feature_layers)
       return jax.numpy.concatenate([got[0], got[2]], -1) if feature_layers else got[0]
 
-    for lo in tqdm(range(0, n, batch_size), desc="target features", unit="batch"):
+    total = -(-n // batch_size)
+    bar = tqdm(total=total, initial=start // batch_size, desc="target features", unit="batch")
+    for lo in range(start, n, batch_size):
       rows = np.arange(lo, lo + batch_size) % n  # the last batch wraps: one compiled shape
       got = forward(target.params, token_data.tokens[rows], token_data.segments[rows])
       out[lo : lo + batch_size] = np.asarray(got, np.float32)[: n - lo]
-    out.flush()
+      out.flush()  # the rows are on disk before the progress file says so
+      _write_progress(progress, dict(shape=list(shape), rows=min(lo + batch_size, n)))
+      bar.update()
+    bar.close()
     del out
     os.replace(partial, path)
+    os.remove(progress)
   return np.load(path, mmap_mode="r")
