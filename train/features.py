@@ -6,9 +6,11 @@ drafters trained on one dataset). With `data.cache_features`, `train.distill` ru
 over every row once and trains from the stored features ([N, S, D] float32, memory-mapped; for a
 drafter with `feature_layers` [N, S, D + E]: f, then the hidden states h it reads, from the same
 pass); the result is the same as running the target inside every step. The file is keyed by the rows
-and the target, so any change to either computes it afresh. A killed computation resumes at the
-first batch it had not written (its partial file and a progress record sit next to the
-cache file until it completes).
+and the target, so any change to either computes it afresh. A file with feature layers also
+serves every drafter whose layers start its list, the final feature alone included (a view of
+its first columns): drafters compared on one dataset share one pass of the target. A killed
+computation resumes at the first batch it had not written (its partial file and a progress
+record sit next to the cache file until it completes).
 """
 
 import hashlib
@@ -23,16 +25,37 @@ from pspec_jax import data, losses
 from pspec_jax.llama import Target
 
 
-def _key(token_data: data.TokenData, target: Target, feature_layers: tuple[int, ...]) -> str:
+def _key(token_data: data.TokenData, target: Target) -> str:
   digest = hashlib.sha256()
-  if feature_layers:  # files of the final feature alone keep their names
-    digest.update(repr(feature_layers).encode())
   for array in (token_data.tokens, token_data.segments):
     digest.update(np.ascontiguousarray(array).tobytes())
   digest.update(repr(target.cfg).encode())
   for leaf in jax.tree.leaves(target.params)[:4]:  # the same architecture, other weights
     digest.update(np.asarray(leaf).ravel()[:64].tobytes())
   return digest.hexdigest()[:16]
+
+
+def _name(key: str, feature_layers: tuple[int, ...]) -> str:
+  layers = "".join(f"-{layer}" for layer in feature_layers)
+  return f"features-{key}{'-layers' if layers else ''}{layers}.npy"
+
+
+def _stored(cache_dir: str, key: str, feature_layers: tuple[int, ...]) -> str | None:
+  """A complete file of these rows whose layers start with `feature_layers`, if any."""
+  exact = os.path.join(cache_dir, _name(key, feature_layers))
+  if os.path.exists(exact):
+    return exact
+  prefix = f"features-{key}-layers-"
+  for name in sorted(os.listdir(cache_dir)) if os.path.isdir(cache_dir) else ():
+    if not (name.startswith(prefix) and name.endswith(".npy")) or ".partial" in name:
+      continue
+    try:
+      layers = tuple(int(x) for x in name[len(prefix) : -len(".npy")].split("-"))
+    except ValueError:
+      continue
+    if layers[: len(feature_layers)] == feature_layers:
+      return os.path.join(cache_dir, name)
+  return None
 
 
 def _write_progress(progress: str, record: dict) -> None:
@@ -68,13 +91,17 @@ def target_features(
 ) -> np.ndarray:
   """The target's features of every row of `token_data`: a read-only [N, S, D] map of
   `cache_dir/features-<key>.npy` (with `feature_layers`, [N, S, D + E]: the final features,
-  then those layers' hidden states), computed (with a progress bar) when not there yet."""
+  then those layers' hidden states), computed (with a progress bar) when neither it nor a file
+  with more layers after these is there yet."""
   feature_layers = tuple(feature_layers)
-  path = os.path.join(cache_dir, f"features-{_key(token_data, target, feature_layers)}.npy")
-  if not os.path.exists(path):
+  key = _key(token_data, target)
+  width = target.cfg.hidden_size * (1 + len(feature_layers))
+  path = _stored(cache_dir, key, feature_layers)
+  if path is None:
+    path = os.path.join(cache_dir, _name(key, feature_layers))
     os.makedirs(cache_dir, exist_ok=True)
     n, s = token_data.tokens.shape
-    shape = (n, s, target.cfg.hidden_size * (1 + len(feature_layers)))
+    shape = (n, s, width)
     partial, progress = path + ".partial.npy", path + ".partial.json"
     out, start = _resume(partial, progress, shape)
 
@@ -98,4 +125,4 @@ def target_features(
     del out
     os.replace(partial, path)
     os.remove(progress)
-  return np.load(path, mmap_mode="r")
+  return np.load(path, mmap_mode="r")[..., :width]
