@@ -121,6 +121,22 @@ def test_drafts_stop_when_rejected_and_resume_when_accepted_again():
   assert stats.chosen.tolist()[0] > 0 and sum(stats.chosen.tolist()) == rounds + waited + 10
 
 
+@pytest.mark.parametrize(("rate", "most"), [(0.1, 4), (0.2, 10)])
+def test_drafts_rarely_accepted_are_seldom_tried_again(rate, most):
+  """The paths:0 candidate pays from an acceptance of 0.4 (cost 1.4); its drafts are accepted
+  at `rate`. Drifting back toward the prior (0.6) would try it again every few tens of rounds
+  for good (18 and 25 of rounds 200-400 at 0.1 and 0.2); the long-run rate learns the
+  acceptance."""
+  stats = next_choice(adaptive.init_stats(POOL, 1))
+  drafted = []
+  for _ in range(400):
+    tried = int(stats.choice) > 0
+    hit = tried and (sum(drafted) + 1) % round(1 / rate) == 0
+    drafted.append(tried)
+    stats = next_choice(fake_round(stats, hits=hit))
+  assert 0 < sum(drafted[200:]) <= most
+
+
 def test_the_choice_weighs_tokens_against_costs():
   stats = adaptive.init_stats(POOL, 2)
   # a(0,) = 0.5 and a(0,0) = 0.4, deeper 0: (0,) gives 1.5 tokens for 1.4, the chain 1.9 for 1.9.
