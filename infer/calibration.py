@@ -15,8 +15,9 @@ stored with its raw times:
   cost(c) = 1 + (verify(nodes of c) - verify(1) + draft(c) - feed) / (plain round + feed)
 
 where verify(n) is one target pass over n tree nodes, draft(c) the drafter's pass for c's
-nodes, feed the drafter taking in a round's pairs without drafting (what a round with the root
-alone adds to a plain one) and the plain round a whole auto-regressive round. Each candidate has
+nodes, feed what the drafter costs a round that drafts nothing (taking in the pairs that
+rounds left pending, once per kept + 1 such rounds: what a round with the root alone adds to
+a plain one) and the plain round a whole auto-regressive round. Each candidate has
 two costs: without and with its prompt-lookup chain verified.
 
 A file that cannot be read as a calibration (corrupt, or of another version) is reported in one
@@ -41,7 +42,7 @@ from pspec_jax import prompts as prompts_lib
 from pspec_jax import propose as propose_lib
 from pspec_jax import tree as tree_lib
 
-VERSION = 1
+VERSION = 2  # 2: rounds that draft nothing leave their pairs pending (cheaper root rounds)
 FILE = "round_costs.json"
 
 
@@ -78,20 +79,31 @@ def candidate_key(drafter, candidate, rule: str = "") -> str:
   return f"{c.kind}{vocab} {candidate.spec}{rule}"
 
 
+class _OtherVersion(Exception):
+  pass
+
+
 def load(path: str) -> dict:
-  """The calibrations stored at `path` ({} if there is no file). ValueError if it is corrupt."""
+  """The calibrations stored at `path` ({} if there is no file). ValueError if it is corrupt,
+  or of another version."""
   if not os.path.exists(path):
     return {}
   try:
     with open(path) as fh:
       data = json.load(fh)
-    if data.get("version") != VERSION or not isinstance(data.get("machines"), dict):
+    version = data.get("version") if isinstance(data, dict) else None
+    if isinstance(version, int) and version != VERSION:
+      # Costs of rounds this code no longer runs: not corrupt, but measured again all the same.
+      raise _OtherVersion(f"calibration file {path} is of version {version}, not {VERSION}")
+    if version != VERSION or not isinstance(data.get("machines"), dict):
       raise ValueError(f"not a version-{VERSION} calibration")
     for machine in data["machines"].values():
       for entry in machine.values():
         costs = entry["costs"]
         if len(costs) != 2 or not all(isinstance(x, float | int) and x > 0 for x in costs):
           raise ValueError(f"bad costs {costs!r}")
+  except _OtherVersion as e:
+    raise ValueError(str(e)) from None
   except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
     raise ValueError(f"calibration file {path} is corrupt ({e})") from None
   return data["machines"]
@@ -133,15 +145,20 @@ def measure(target, drafter, pool, batch: int, ids: list[int], cfg=None, repeats
       dataclasses.replace(base, tree="chain", num_draft=max(n - 1, 1)), d, width
     )
     calls[f"verify {n}"] = (decode.verify, plan, target, d, decode.init(plan, target, d, *inputs))
-  # The drafter's pass per candidate, on pairs as wide as a round of the union tree gives.
+  # The drafter's pass per candidate, on pairs as wide as a round of the union tree gives, or
+  # as its pending buffer (`rounds.PENDING_ROUNDS`) when rounds that draft nothing leave their
+  # pairs pending: then a feed comes once per kept + 1 of them (one pair each).
   kept = pool.max_depth + 1
-  pairs = propose_lib.Pairs(
-    tokens=jnp.ones((batch, kept), jnp.int32),
-    features=jnp.ones((batch, kept, drafter.cfg.feature_width), target.cfg.dtype),
-    count=jnp.ones((batch,), jnp.int32),
-  )
   plan = decode.make_plan(base, drafter, width)
   state = decode.init(plan, target, drafter, *inputs)
+  rows, rounds_per_feed = kept, 1
+  if state.pending is not None:
+    rows, rounds_per_feed = state.pending.tokens.shape[1], kept + 1
+  pairs = propose_lib.Pairs(
+    tokens=jnp.ones((batch, rows), jnp.int32),
+    features=jnp.ones((batch, rows, drafter.cfg.feature_width), target.cfg.dtype),
+    count=jnp.ones((batch,), jnp.int32),
+  )
   calls["feed"] = (jax.jit(propose_lib.feed), drafter, target, state.drafter_cache, pairs)
 
   # A sampled round draws its drafts from q: the filtering and the draws are part of the pass.
@@ -157,7 +174,7 @@ def measure(target, drafter, pool, batch: int, ids: list[int], cfg=None, repeats
       args = (drafter, target, state.drafter_cache, pairs, context, drafted, inputs[2])
       calls[f"draft {cand.spec}"] = (propose, *args)
   ms = measure_lib.interleaved_ms(calls, repeats)
-  plain_ms, feed_ms = ms["plain"], ms["feed"]
+  plain_ms, feed_ms = ms["plain"], ms["feed"] / rounds_per_feed  # per round drafting nothing
   verify_ms = {n: ms[f"verify {n}"] for n in nodes}
   draft_ms = [ms.get(f"draft {c.spec}", feed_ms) for c in pool.candidates]
   costs = adaptive.relative_costs(

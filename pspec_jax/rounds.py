@@ -50,6 +50,11 @@ __all__ = [
 LOOKUP_NGRAMS = (2, 3)
 # Rounds fold their step (>= 0, far below this) into the decode's key; drafts use this stream.
 DRAFT_STREAM = 2**32 - 1
+# An adaptive tree's rounds that draft nothing leave their pairs pending, to be taken in with a
+# later round's (its drafter pass, or a feed once the buffer of this many rounds' width fills):
+# a drafter pass costs about the same for 1 pair as for 14, so a round that verifies the root
+# alone need not pay one.
+PENDING_ROUNDS = 2
 CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
 
 
@@ -68,6 +73,7 @@ class DecodeState:
   node_logp: jax.Array  # [B, M] their draft log-probabilities given their parents
   draft_logq: jax.Array  # [B, G, V] the q they were drawn from (`Plan.drawn`; else [B, 1, 1])
   adapt: adaptive.Stats | None = None  # an adaptive tree's statistics and next candidate
+  pending: Pairs | None = None  # adaptive: pairs the drafter's cache has not taken in yet
 
   @property
   def num_tokens(self) -> jax.Array:
@@ -159,6 +165,15 @@ def init(
   )
   # Prompt pair t is (h_t, x_{t+1}); the last one carries the first bonus token.
   pairs = Pairs(tokens=tokens[:, 1 : width + 1], features=hidden, count=prompt_lengths)
+  if pool.candidates and state.drafter_cache is not None:
+    rows = PENDING_ROUNDS * (plan.max_depth + 1)
+    state = state.replace(
+      pending=Pairs(
+        tokens=jnp.zeros((batch, rows), jnp.int32),
+        features=jnp.zeros((batch, rows, hidden.shape[-1]), hidden.dtype),
+        count=jnp.zeros((batch,), jnp.int32),
+      )
+    )
   return _constrain_state(plan, draft(plan, target, drafter, state, pairs))
 
 
@@ -408,6 +423,28 @@ def _union_rows(kind: str, pool: tree_lib.Tree) -> int:
   return int(draw_tables(kind, pool).max()) + 1
 
 
+def _pending(pending: Pairs | None, pairs: Pairs) -> tuple[Pairs | None, jax.Array | bool]:
+  """`pairs` after the `pending` ones, in the pending buffer's width, and whether a round that
+  drafts nothing may leave them pending (room remains for another round's pairs). (None, False)
+  without a buffer, or for pairs wider than a round's (the prompt's, at the prefill)."""
+  if pending is None:
+    return None, False
+  width, new = pending.tokens.shape[1], pairs.tokens.shape[1]
+  if new > width // PENDING_ROUNDS:
+    # The prompt's pairs: fed (or drafted from) at once, as without a buffer, and the buffer
+    # starts empty.
+    return None, False
+  j = jnp.arange(width)[None, :]
+  after = j >= pending.count[:, None]
+  source = jnp.clip(j - pending.count[:, None], 0, new - 1)
+  merged = Pairs(
+    tokens=jnp.where(after, take_rows(pairs.tokens, source), pending.tokens),
+    features=jnp.where(after[..., None], take_rows(pairs.features, source), pending.features),
+    count=pending.count + pairs.count,
+  )
+  return merged, jnp.max(merged.count) <= width - new
+
+
 def _draft_adaptive(plan, target, drafter, state, pairs, draw) -> DecodeState:
   """Chooses the next round's candidate (`adaptive.choose`) and drafts its nodes alone, placed
   at their indices in the union tree; the root alone drafts nothing. Drawn from q (`draw`), the
@@ -427,35 +464,48 @@ def _draft_adaptive(plan, target, drafter, state, pairs, draw) -> DecodeState:
   num_rows = _union_rows(plan.kind, pool) if draw is not None else 1
   vocab = target.cfg.vocab_size if draw is not None else 1
   no_logq = jnp.zeros((batch, num_rows, vocab), jnp.float32)
+  # The pending pairs, then this round's: what the drafter has not taken in yet.
+  pending, wait = _pending(state.pending, pairs)
+  none_pending = None if pending is None else pending.replace(count=jnp.zeros_like(pending.count))
 
   def drafted(cand):
     if not cand.paths:
-      cache = feed(drafter, target, state.drafter_cache, pairs)
+      if pending is None:
+        cache, left = feed(drafter, target, state.drafter_cache, pairs), None
+      else:  # wait while the buffer has room for the next round's pairs, else take them in
+        cache, left = jax.lax.cond(
+          wait,
+          lambda: (state.drafter_cache, pending),
+          lambda: (feed(drafter, target, state.drafter_cache, pending), none_pending),
+        )
       return (
         cache,
         jnp.zeros((batch, pool.num_nodes), jnp.int32),
         jnp.zeros((batch, pool.num_nodes)),
         no_logq,
+        left,
       )
-    cache, nodes = propose(drafter, target, state.drafter_cache, pairs, context, cand, draw)
+    taken = pairs if pending is None else pending
+    cache, nodes = propose(drafter, target, state.drafter_cache, taken, context, cand, draw)
     index = np.asarray([0] + [union[p] for p in cand.paths])
     place = lambda x: jnp.zeros((batch, pool.num_nodes), x.dtype).at[:, index].set(x)
     logq = no_logq
     if draw is not None:
       logq = logq.at[:, _draw_rows(plan.kind, pool, cand)].set(nodes[2].astype(jnp.float32))
-    return cache, place(nodes[0]), place(nodes[1].astype(jnp.float32)), logq
+    return cache, place(nodes[0]), place(nodes[1].astype(jnp.float32)), logq, none_pending
 
   # One branch per distinct drafted part (candidates differing in their lookup chain share one).
   shapes = [tree_lib.Tree(paths=c.paths) for c in pool.candidates]
   unique = list(dict.fromkeys(shapes))
   which = jnp.asarray([unique.index(t) for t in shapes], jnp.int32)
   branches = [functools.partial(drafted, t) for t in unique]
-  cache, node_tokens, node_logp, logq = jax.lax.switch(which[choice], branches)
+  cache, node_tokens, node_logp, logq, left = jax.lax.switch(which[choice], branches)
   state = state.replace(
     drafter_cache=cache,
     node_tokens=node_tokens,
     node_logp=node_logp,
     adapt=state.adapt.replace(choice=choice),
+    pending=state.pending if pending is None else left,
   )
   return state.replace(draft_logq=logq) if draw is not None else state
 

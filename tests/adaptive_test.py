@@ -45,6 +45,39 @@ def test_adaptive_greedy_equals_plain_greedy(target, kind, tree, rows):
   assert spec.chosen[1:].sum() > 0 and (spec.tau > 1).any()
 
 
+@pytest.mark.parametrize("kind", ["pspec", "eagle"])
+def test_rounds_that_draft_nothing_leave_their_pairs_pending(target, kind):
+  """Rounds that verify no drafted node do not run the drafter: their pairs wait in a buffer
+  and go in with the next drafting round's pass (or a feed once it fills). Every round's drafts
+  are those the drafter gives when it takes in every round's pairs at once."""
+  drafter = testing.drafter_for(kind, target)
+  tokens, lengths = testing.padded(testing.PROMPTS[:2])
+  tree = "adaptive:paths:0/1|lookup:2"  # drafting costs little: it alternates with the root
+  cfg = decode.DecodeConfig(max_new_tokens=60, tree=tree, costs=((1, 1), (1.1, 1.1), (1, 1.2)))
+  plan = decode.make_plan(cfg, drafter, tokens.shape[1])
+  lazy = decode.init(plan, target, drafter, tokens, lengths, jax.random.key(0))
+  eager = lazy.replace(pending=None)  # no buffer: every round feeds its pairs
+  waited = drafted_after_waiting = 0
+  for _ in range(40):
+    if int(lazy.pending.count.max()) > 0:
+      waited += 1
+      # The drafter's cache lags by exactly the pending pairs.
+      assert (lazy.drafter_cache.lengths + lazy.pending.count).tolist() == (
+        eager.drafter_cache.lengths.tolist()
+      )
+    was_waiting = int(lazy.pending.count.max()) > 0
+    lazy = decode.round_step(plan, target, drafter, lazy)
+    eager = decode.round_step(plan, target, drafter, eager)
+    assert lazy.tokens.tolist() == eager.tokens.tolist()
+    assert int(lazy.adapt.choice) == int(eager.adapt.choice)
+    if int(lazy.adapt.choice) in (1, 2) and was_waiting:
+      drafted_after_waiting += int(lazy.adapt.choice) == 1
+    if int(lazy.adapt.choice) == 1:  # the drafted candidate's nodes
+      np.testing.assert_array_equal(lazy.node_tokens, eager.node_tokens)
+      np.testing.assert_allclose(lazy.node_logp, eager.node_logp, rtol=1e-4, atol=1e-5)
+  assert waited > 0 and drafted_after_waiting > 0
+
+
 def test_a_candidate_that_costs_too_much_is_never_chosen(target):
   tokens, lengths = testing.padded(testing.PROMPTS)
   tree = "adaptive:chain|lookup:3"

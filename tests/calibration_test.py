@@ -121,13 +121,24 @@ def test_sampled_rounds_are_timed_apart_from_greedy_ones(target, tmp_path, fake_
 
 
 @pytest.mark.parametrize(
-  "content", ["{not json", '{"version": 1, "machines": {"k": {"c": {"costs": [1.0]}}}}', "[]"]
+  ("content", "why"),
+  [
+    ("{not json", "is corrupt"),
+    (
+      f'{{"version": {calibration.VERSION}, "machines": {{"k": {{"c": {{"costs": [1.0]}}}}}}}}',
+      "is corrupt",
+    ),
+    ('{"version": 1, "machines": {}}', f"is of version 1, not {calibration.VERSION}"),
+    ("[]", "is corrupt"),
+  ],
 )
-def test_a_corrupt_file_is_reported_and_measured_again(target, tmp_path, fake_measure, content):
+def test_a_corrupt_or_older_file_is_reported_and_measured_again(
+  target, tmp_path, fake_measure, content, why
+):
   (tmp_path / "costs.json").write_text(content)
   logs = []
   assert costs(target, tmp_path, logs=logs)[0] == (1.0, 1.0)
-  assert any(f"calibration file {tmp_path / 'costs.json'} is corrupt" in x for x in logs)
+  assert any(f"calibration file {tmp_path / 'costs.json'} {why}" in x for x in logs)
   assert any("measuring again" in x for x in logs) and len(fake_measure) == 1
   assert calibration.load(str(tmp_path / "costs.json"))  # rewritten whole
 
