@@ -118,10 +118,16 @@ def _constrain_state(plan: Plan, state: DecodeState) -> DecodeState:
 
     return c.replace(k=jax.tree.map(place, c.k), v=jax.tree.map(place, c.v))
 
+  pending = state.pending
+  if pending is not None:
+    pending = jax.tree.map(
+      lambda x: sharding.constrain(x, ("batch",) + (None,) * (x.ndim - 1), plan.mesh), pending
+    )
   return state.replace(
     cache=cache(state.cache),
     drafter_cache=cache(state.drafter_cache),
     tokens=sharding.constrain(state.tokens, ("batch", "length"), plan.mesh),
+    pending=pending,
   )
 
 

@@ -20,7 +20,8 @@ def target():
 
 @pytest.mark.parametrize("mesh_shape", [dict(data=1, tensor=8), dict(data=2, tensor=4)])
 @pytest.mark.parametrize(
-  "kind,tree", [(None, ""), ("pspec", ""), ("pspec", "paths:0+min:0.07+lookup:4")]
+  "kind,tree",
+  [(None, ""), ("pspec", ""), ("pspec", "paths:0+min:0.07+lookup:4"), ("pspec", "adaptive")],
 )
 def test_sharded_greedy_decoding_gives_the_single_device_tokens(target, mesh_shape, kind, tree):
   drafter = None if kind is None else testing.drafter_for(kind, target, num_draft=3)
