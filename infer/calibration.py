@@ -79,22 +79,22 @@ def candidate_key(drafter, candidate, rule: str = "") -> str:
   return f"{c.kind}{vocab} {candidate.spec}{rule}"
 
 
-class _OtherVersion(Exception):
-  pass
-
-
 def load(path: str) -> dict:
   """The calibrations stored at `path` ({} if there is no file). ValueError if it is corrupt,
   or of another version."""
   if not os.path.exists(path):
     return {}
+  corrupt = f"calibration file {path} is corrupt"
   try:
     with open(path) as fh:
       data = json.load(fh)
-    version = data.get("version") if isinstance(data, dict) else None
-    if isinstance(version, int) and version != VERSION:
-      # Costs of rounds this code no longer runs: not corrupt, but measured again all the same.
-      raise _OtherVersion(f"calibration file {path} is of version {version}, not {VERSION}")
+  except (OSError, ValueError) as e:
+    raise ValueError(f"{corrupt} ({e})") from None
+  version = data.get("version") if isinstance(data, dict) else None
+  if isinstance(version, int) and version != VERSION:
+    # Costs of rounds this code no longer runs: not corrupt, but measured again all the same.
+    raise ValueError(f"calibration file {path} is of version {version}, not {VERSION}")
+  try:
     if version != VERSION or not isinstance(data.get("machines"), dict):
       raise ValueError(f"not a version-{VERSION} calibration")
     for machine in data["machines"].values():
@@ -102,10 +102,8 @@ def load(path: str) -> dict:
         costs = entry["costs"]
         if len(costs) != 2 or not all(isinstance(x, float | int) and x > 0 for x in costs):
           raise ValueError(f"bad costs {costs!r}")
-  except _OtherVersion as e:
-    raise ValueError(str(e)) from None
-  except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-    raise ValueError(f"calibration file {path} is corrupt ({e})") from None
+  except (ValueError, KeyError, TypeError, AttributeError) as e:
+    raise ValueError(f"{corrupt} ({e})") from None
   return data["machines"]
 
 
