@@ -296,8 +296,11 @@ def phase_split(target, drafter, prompts, cfg):
   return {k: 1e3 * statistics.median(v) for k, v in times.items()}, len(times["draft"])
 
 
-def phase_shares(target, drafter, batches, cfg) -> dict[str, float]:
-  """Shares of a round spent in draft / verify / accept+commit, run phase by phase."""
+def phase_shares(target, drafter, batches, cfg) -> dict[str, float] | None:
+  """Shares of a round spent in draft / verify / accept+commit, run phase by phase; None for
+  an adaptive tree, whose round verifies, accepts and commits in one step."""
+  if decode.resolve_tree(cfg, drafter).candidates:
+    return None
   ms, _ = phase_split(target, drafter, batches, cfg)
   total = sum(ms.values())
   return {k: v / total for k, v in ms.items()}

@@ -100,6 +100,11 @@ def load(spec: str, dtype, weight_layout: str, num_prompts: int, prompt_tokens: 
 
 
 def main():
+  if FLAGS.tree.startswith("adaptive"):
+    raise ValueError(
+      "--tree: an adaptive round runs whole, not phase by phase; its candidates' costs: "
+      "python -m infer.calibrate"
+    )
   dtype = jax.numpy.dtype(FLAGS.dtype)
   target, encoded, eos_ids = load(
     FLAGS.target, dtype, FLAGS.weight_layout, FLAGS.num_prompts, FLAGS.prompt_tokens

@@ -45,15 +45,15 @@ __all__ = [
   "DRIFT",
   "LONG_RUN",
   "Stats",
-  "branch_nodes",
   "check_costs",
   "choose",
   "default_costs",
   "expected_tokens",
   "init_stats",
   "observe",
+  "reachable",
   "relative_costs",
-  "restrict",
+  "union_nodes",
   "verified_nodes",
 ]
 
@@ -124,30 +124,16 @@ def verified_nodes(pool: tree_lib.Tree) -> list[tuple[int, int]]:
   return [(c.num_nodes, c.num_nodes + c.lookup) for c in pool.candidates]
 
 
-def branch_nodes(pool: tree_lib.Tree) -> list[tuple[int, ...]]:
-  """The union's node indices each (candidate c, lookup runs) pass covers, at index 2c + runs:
-  the candidate's drafted nodes (root included), then its lookup chain (after the drafted
-  union's nodes, as `tree.with_lookup` places it)."""
-  members = _members(pool)
+def union_nodes(pool: tree_lib.Tree) -> list[np.ndarray]:
+  """Per candidate, the union's index of each of its nodes, in the candidate's own order: the
+  root, its drafted nodes, then its lookup chain (after the union's drafted nodes, as
+  `tree.with_lookup` places it)."""
+  union = {p: i + 1 for i, p in enumerate(pool.paths)}
   drafted = pool.num_nodes
-  out = []
-  for c, cand in enumerate(pool.candidates):
-    nodes = (0, *(1 + np.nonzero(members[c])[0]).tolist())
-    out += [nodes, nodes + tuple(range(drafted, drafted + cand.lookup))]
-  return out
-
-
-def restrict(tree: tree_lib.TreeArrays, pool: tree_lib.Tree, choice: jax.Array):
-  """The batched union tree cut to candidate `choice`'s drafted nodes (no parent links to the
-  others), and [L] which lookup nodes it may add."""
-  members = jnp.asarray(
-    np.concatenate([np.ones((len(pool.candidates), 1), bool), _members(pool)], 1)
-  )
-  keep_M = members[choice]
-  kids = tree.children
-  kept = (kids >= 0) & keep_M[jnp.maximum(kids, 0)]
-  lookup_L = jnp.arange(pool.lookup) < jnp.asarray(_lookups(pool))[choice]
-  return tree.replace(children=jnp.where(kept, kids, -1)), lookup_L
+  return [
+    np.asarray([0, *(union[p] for p in c.paths), *range(drafted, drafted + c.lookup)], np.int32)
+    for c in pool.candidates
+  ]
 
 
 def expected_tokens(stats: Stats, pool: tree_lib.Tree, found_B: jax.Array) -> jax.Array:
@@ -180,8 +166,8 @@ def choose(
   return jnp.argmax(tokens_C / cost_C).astype(jnp.int32)
 
 
-def _reachable(tree: tree_lib.TreeArrays, depth: int) -> jax.Array:
-  """[B, M] which nodes the (cut) tree links to from its root."""
+def reachable(tree: tree_lib.TreeArrays, depth: int) -> jax.Array:
+  """[B, M] which nodes the (cut) tree links to from its root: those a round verified."""
   kids = tree.children  # [B, M, C]
   batch, m = kids.shape[:2]
   reach = jnp.zeros((batch, m), jnp.bool_).at[:, 0].set(True)
@@ -194,14 +180,14 @@ def _reachable(tree: tree_lib.TreeArrays, depth: int) -> jax.Array:
 def observe(
   stats: Stats,
   pool: tree_lib.Tree,
-  tree: tree_lib.TreeArrays,
+  reach: jax.Array,
   path_BP1: jax.Array,
   num_accepted_B: jax.Array,
   active_B: jax.Array,
 ) -> Stats:
-  """The estimates after a round that verified `tree` and accepted `path` (active sequences)."""
-  m = tree.children.shape[1]
-  reach = _reachable(tree, pool.max_depth)
+  """The estimates after a round that verified the union's nodes `reach` [B, M] and accepted
+  `path` (union indices; active sequences)."""
+  m = reach.shape[1]
   depth = path_BP1.shape[1] - 1
   on_path = jnp.any(
     (path_BP1[:, 1:, None] == jnp.arange(m))

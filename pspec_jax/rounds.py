@@ -16,6 +16,7 @@ Every function takes the plan first, then whichever of target, drafter and state
 `pspec_jax.decode` exports them jitted and runs them in one loop.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -183,13 +184,22 @@ def init(
   return _constrain_state(plan, draft(plan, target, drafter, state, pairs))
 
 
-def verify(plan: Plan, target: Target, drafter: Drafter | None, state: DecodeState) -> Verified:
+def verify(
+  plan: Plan, target: Target, drafter: Drafter | None, state: DecodeState, lookup=None
+) -> Verified:
   """Steps 1-2: builds this round's tree and runs the target over its nodes.
 
   The target runs over the nodes some sequence can accept: a gated tree (`+min:P`) whose drafted
   nodes every sequence cut, or a lookup chain no sequence found, is left out of the pass (its
   outputs are zeros, never read), so such rounds cost what the rest of the tree costs.
+  `lookup`: the prompt-lookup chains (`pld_candidates`) if already found, at least as long as
+  the tree's. An adaptive tree's round verifies inside `round_step` (`_round_adaptive`).
   """
+  if plan.tree.candidates:
+    raise ValueError(
+      "an adaptive tree's round verifies, accepts and commits its candidate in one step: "
+      "run round_step"
+    )
   pool = plan.tree
   batch = state.tokens.shape[0]
   n = state.cache.lengths
@@ -209,15 +219,15 @@ def verify(plan: Plan, target: Target, drafter: Drafter | None, state: DecodeSta
   else:
     tree = tree_lib.batched(pool, batch)
   drafted = node_tokens.shape[1]
-  if pool.candidates:
-    return _verify_adaptive(target, drafter, state, pool, tree, node_tokens, node_table)
   # Each part of the tree that a round may leave out: its nodes, and whether this round has it.
   parts = []
   if pool.min_prob:
     tree = tree_lib.gated(tree, node_logp, pool.min_prob)
     parts.append((range(1, drafted), jnp.any(tree.children[:, 0] >= 0)))
   if pool.lookup:
-    tree, node_tokens, node_table, ok = _with_lookup(state, pool, tree, node_tokens, node_table)
+    tree, node_tokens, node_table, ok = _with_lookup(
+      state, pool, tree, node_tokens, node_table, lookup
+    )
     parts.append((range(drafted, drafted + pool.lookup), jnp.any(ok[:, 0])))
   num_nodes = node_tokens.shape[1]
   run = functools.partial(_run_nodes, target, drafter, state, tree, node_tokens)
@@ -246,15 +256,15 @@ def verify(plan: Plan, target: Target, drafter: Drafter | None, state: DecodeSta
   )
 
 
-def _with_lookup(state, pool, tree, node_tokens, node_table, chain_L=None):
-  """The tree with its prompt-lookup chain appended (the nodes `chain_L` allows, where a
-  sequence found a match): (tree, node_tokens, node_table, ok [B, L]). Lookup nodes are not
-  drawn from q: their `node_table` rows are -1."""
-  lookup_tokens, ok = pld_candidates(
-    state.tokens, state.num_tokens, pool.lookup, LOOKUP_NGRAMS[1], LOOKUP_NGRAMS[0]
-  )
-  if chain_L is not None:
-    ok = ok & chain_L[None, :]
+def _with_lookup(state, pool, tree, node_tokens, node_table, lookup=None):
+  """The tree with its prompt-lookup chain appended where a sequence found a match: (tree,
+  node_tokens, node_table, ok [B, L]). Lookup nodes are not drawn from q: their `node_table`
+  rows are -1. `lookup`: the chains if already found (`pld_candidates`, L or more long)."""
+  if lookup is None:
+    lookup = pld_candidates(
+      state.tokens, state.num_tokens, pool.lookup, LOOKUP_NGRAMS[1], LOOKUP_NGRAMS[0]
+    )
+  lookup_tokens, ok = (x[:, : pool.lookup] for x in lookup)
   node_tokens = jnp.concatenate([node_tokens, lookup_tokens], axis=1)
   if node_table is not None:
     node_table = jnp.pad(node_table, ((0, 0), (0, pool.lookup)), constant_values=-1)
@@ -281,35 +291,52 @@ def _run_nodes(target, drafter, state, tree, node_tokens, nodes):
   return jax.tree.map(lambda x, axis: _spread(x, axis, index, num_nodes), out, (1, (2, 2), 1))
 
 
-def _verify_adaptive(target, drafter, state, pool, tree, node_tokens, node_table) -> Verified:
-  """An adaptive round's verification: the union tree cut to the chosen candidate, and its
-  lookup chain where a sequence found one; the pass covers exactly those nodes. `node_table`:
-  drafts drawn from q, the union's `draw_tables` (else None)."""
-  choice = state.adapt.choice
-  tree, chain_L = adaptive.restrict(tree, pool, choice)
-  runs = jnp.bool_(False)
-  if pool.lookup:
-    tree, node_tokens, node_table, ok = _with_lookup(
-      state, pool, tree, node_tokens, node_table, chain_L
+def _round_adaptive(plan, target, drafter, state) -> tuple[DecodeState, Pairs]:
+  """Steps 1-4 of an adaptive round. The chosen candidate is verified and accepted as the fixed
+  tree it is, over its own nodes (read from the union's at `adaptive.union_nodes`), in one
+  `lax.switch` branch per candidate; nothing runs at the union's width, so a round costs what
+  the candidate's fixed round costs. The branch returns the accepted path's rows, padded to the
+  union's longest path, and the commit writes them outside the switch (a cache passed through a
+  branch is copied); the statistics observe what it verified and accepted."""
+  pool = plan.tree
+  batch = state.tokens.shape[0]
+  lookup = None
+  if pool.lookup:  # found once for every candidate's chain
+    lookup = pld_candidates(
+      state.tokens, state.num_tokens, pool.lookup, LOOKUP_NGRAMS[1], LOOKUP_NGRAMS[0]
     )
-    runs = jnp.any(ok[:, 0])
-  # One branch per distinct node set, (candidate, lookup runs) -> branch.
-  sets = adaptive.branch_nodes(pool)
-  unique = list(dict.fromkeys(sets))
-  run = functools.partial(_run_nodes, target, drafter, state, tree, node_tokens)
-  branches = [functools.partial(run, nodes) for nodes in unique]
-  which = jnp.asarray([unique.index(nodes) for nodes in sets], jnp.int32)
-  index = which[2 * choice + runs.astype(jnp.int32)]
-  features, kv, logits = jax.lax.switch(index, branches)
-  return Verified(
-    tree=tree,
-    node_tokens=node_tokens,
-    features=features,
-    kv=kv,
-    logits=logits,
-    node_table=node_table,
-    draft_logq=None if node_table is None else state.draft_logq,
-  )
+  width = plan.max_depth + 1
+
+  def pad(x, axis):
+    return jnp.pad(x, [(0, width - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)])
+
+  def run(c):
+    cand = pool.candidates[c]
+    fixed = dataclasses.replace(plan, tree=cand, costs=(), drawn=plan.drawn and cand.depth > 0)
+    nodes = adaptive.union_nodes(pool)[c]
+    drafted = nodes[: cand.num_nodes]
+    s = state.replace(
+      node_tokens=state.node_tokens[:, drafted], node_logp=state.node_logp[:, drafted]
+    )
+    if fixed.drawn:
+      s = s.replace(draft_logq=state.draft_logq[:, _draw_rows(plan.kind, pool, cand)])
+    verified = verify(fixed, target, drafter, s, lookup)
+    accepted = accept_path(fixed, s, verified)
+    on = _on_path(verified, accepted)
+    on = on.replace(
+      tokens=pad(on.tokens, 1),
+      kv=tuple(pad(x, 2) for x in on.kv),
+      features=pad(on.features, 1),
+    )
+    reached = adaptive.reachable(verified.tree, cand.max_depth)
+    reach = jnp.zeros((batch, pool.num_nodes + pool.lookup), jnp.bool_).at[:, nodes].set(reached)
+    return on, pad(jnp.asarray(nodes)[accepted[0]], 1), reach
+
+  branches = [functools.partial(run, c) for c in range(len(pool.candidates))]
+  on, path, reach = jax.lax.switch(state.adapt.choice, branches)
+  stats = adaptive.observe(state.adapt, pool, reach, path, on.num_accepted, ~state.done)
+  state, pairs = _write_path(plan, state, on)
+  return state.replace(adapt=stats), pairs
 
 
 def _spread(x: jax.Array, axis: int, index: np.ndarray, size: int) -> jax.Array:
@@ -338,6 +365,7 @@ def accept_path(plan: Plan, state: DecodeState, verified: Verified):
 
 def commit(plan: Plan, state: DecodeState, verified: Verified) -> tuple[DecodeState, Pairs]:
   """Steps 3-4: accepts a path, writes its tokens and keys/values; returns the new pairs.
+  (An adaptive tree's round commits inside `round_step`.)
 
   A sequence keeps the accepted drafts and the bonus, cut after its first EOS and at its token
   budget; finished sequences idle (nothing written, counters unchanged).
@@ -347,16 +375,42 @@ def commit(plan: Plan, state: DecodeState, verified: Verified) -> tuple[DecodeSt
 
 def _commit_path(plan, state, verified, accepted) -> tuple[DecodeState, Pairs]:
   """`commit` of an accepted (path, num_accepted, bonus) that `accept_path` gave."""
+  return _write_path(plan, state, _on_path(verified, accepted))
+
+
+@struct.dataclass
+class OnPath:
+  """What a round accepted, read off its verified tree along each sequence's path [B, P + 1]."""
+
+  tokens: jax.Array  # [B, P + 1] the path's tokens (the root's, then the drafts')
+  kv: tuple[jax.Array, jax.Array]  # [L, B, P + 1, K, H] each
+  features: jax.Array  # [B, P + 1, E]
+  num_accepted: jax.Array  # [B]
+  bonus: jax.Array  # [B]
+
+
+def _on_path(verified: Verified, accepted) -> OnPath:
   path, num_accepted, bonus = accepted
+  return OnPath(
+    tokens=take_rows(verified.node_tokens, path),
+    kv=tuple(jnp.take_along_axis(x, path[None, :, :, None, None], axis=2) for x in verified.kv),
+    features=take_rows(verified.features, path),
+    num_accepted=num_accepted,
+    bonus=bonus,
+  )
+
+
+def _write_path(plan, state, on: OnPath) -> tuple[DecodeState, Pairs]:
+  """Writes an accepted path's tokens and keys/values (`commit`); returns the new pairs."""
   depth = plan.max_depth
   batch, total = state.tokens.shape
   rows = jnp.arange(batch)
   active = ~state.done
   n = state.cache.lengths
   step = state.step + 1
+  num_accepted, bonus = on.num_accepted, on.bonus
   # New tokens x_{n+2}..: the accepted drafts below the root, then the bonus.
-  drafts = take_rows(verified.node_tokens, path)[:, 1:]
-  new = jnp.concatenate([drafts, jnp.zeros((batch, 1), jnp.int32)], axis=1)
+  new = jnp.concatenate([on.tokens[:, 1:], jnp.zeros((batch, 1), jnp.int32)], axis=1)
   new = new.at[rows, num_accepted].set(bonus)
   index = jnp.arange(depth + 1)[None, :]
   offered = num_accepted + 1
@@ -365,11 +419,10 @@ def _commit_path(plan, state, verified, accepted) -> tuple[DecodeState, Pairs]:
   budget = plan.max_new_tokens - state.num_generated
   kept = jnp.where(active, jnp.minimum(jnp.minimum(offered, first_eos + 1), budget), 0)
   # The root and the kept drafts but the last enter the cache; the last kept token is the bonus.
-  kv_path = tuple(jnp.take_along_axis(x, path[None, :, :, None, None], axis=2) for x in verified.kv)
   # The write is tied to the bonus token, so to the whole pass. Without it, plain decoding's
   # write (its path is the root) did not depend on the attention that reads the cache, and XLA
   # copied every layer's cache twice per step (docs/design.md 3.6).
-  kv_path, _ = jax.lax.optimization_barrier((kv_path, bonus))
+  kv_path, _ = jax.lax.optimization_barrier((on.kv, bonus))
   cache = state.cache.write(kv_path, kept)
   # Rows past `kept` write to index `total`, which mode="drop" discards.
   where = jnp.where(index < kept[:, None], n[:, None] + 1 + index, total)
@@ -383,7 +436,7 @@ def _commit_path(plan, state, verified, accepted) -> tuple[DecodeState, Pairs]:
     accepted=state.accepted + (jnp.arange(depth)[None, :] < kept[:, None] - 1),
     done=state.done | (active & finished),
   )
-  pairs = Pairs(tokens=new, features=take_rows(verified.features, path), count=kept)
+  pairs = Pairs(tokens=new, features=on.features, count=kept)
   return state, pairs
 
 
@@ -520,14 +573,8 @@ def round_step(
   plan: Plan, target: Target, drafter: Drafter | None, state: DecodeState
 ) -> DecodeState:
   """One round: verify the drafted tree, accept and commit, draft the next tree."""
-  verified = verify(plan, target, drafter, state)
-  accepted = accept_path(plan, state, verified)
-  before = state
-  state, pairs = _commit_path(plan, state, verified, accepted)
-  if state.adapt is not None:
-    path, num_accepted, _ = accepted
-    stats = adaptive.observe(
-      before.adapt, plan.tree, verified.tree, path, num_accepted, ~before.done
-    )
-    state = state.replace(adapt=stats)
+  if plan.tree.candidates:
+    state, pairs = _round_adaptive(plan, target, drafter, state)
+  else:
+    state, pairs = commit(plan, state, verify(plan, target, drafter, state))
   return _constrain_state(plan, draft(plan, target, drafter, state, pairs))

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from pspec_jax import adaptive, decode, testing, tree_specs
-from pspec_jax import tree as tree_lib
 
 KINDS = ("pspec", "eagle", "medusa", "pld")
 TREES = ("adaptive", "adaptive:paths:0/1|chain+lookup:3|lookup:2")
@@ -113,15 +112,16 @@ def fake_round(stats, hits: bool, active=(True,)):
   """A round with the chosen candidate in which every verified draft is accepted (`hits`) or
   none is; returns the stats after it."""
   batch = len(active)
-  tree, _ = adaptive.restrict(tree_lib.batched(POOL, batch), POOL, stats.choice)
   chosen = POOL.candidates[int(stats.choice)]
+  verified = adaptive.union_nodes(POOL)[int(stats.choice)]
+  reach = jnp.zeros((batch, POOL.num_nodes), jnp.bool_).at[:, verified].set(True)
   index = {p: i + 1 for i, p in enumerate(POOL.paths)}
   accepted = chosen.depth if hits else 0
   path = [0] + [index[(0,) * d] for d in range(1, accepted + 1)]
   path += [path[-1]] * (POOL.max_depth + 1 - len(path))
   path_BP1 = jnp.asarray([path] * batch, jnp.int32)
   return adaptive.observe(
-    stats, POOL, tree, path_BP1, jnp.full((batch,), accepted), jnp.asarray(active)
+    stats, POOL, reach, path_BP1, jnp.full((batch,), accepted), jnp.asarray(active)
   )
 
 
@@ -212,8 +212,10 @@ def test_an_adaptive_tree_is_the_union_of_its_candidates_and_the_root_alone():
   ]
   assert pool.paths == ((0,), (1,), (0, 0), (0, 0, 0), (0, 0, 0, 0)) and pool.lookup == 3
   assert tree_specs.parse(pool.spec, 4) == pool
-  assert adaptive.branch_nodes(pool)[2:4] == [(0, 1, 2), (0, 1, 2)]  # paths:0/1, no lookup
-  assert adaptive.branch_nodes(pool)[2 * 3 + 1] == (0, 6, 7)  # lookup:2 found: the root, 2 more
+  nodes = [n.tolist() for n in adaptive.union_nodes(pool)]
+  assert nodes[1] == [0, 1, 2]  # paths:0/1
+  assert nodes[2] == [0, 1, 3, 4, 5, 6, 7, 8]  # the chain, then its lookup after the drafted 6
+  assert nodes[3] == [0, 6, 7]  # lookup:2: the root, then the chain's first 2
   # The default set, less what K allows.
   assert tree_specs.parse("adaptive", 1).spec == "adaptive:lookup:1|paths:0+lookup:1"
   for bad, message in [
