@@ -306,6 +306,7 @@ def _round_adaptive(plan, target, drafter, state) -> tuple[DecodeState, Pairs]:
       state.tokens, state.num_tokens, pool.lookup, LOOKUP_NGRAMS[1], LOOKUP_NGRAMS[0]
     )
   width = plan.max_depth + 1
+  nodes_C = adaptive.union_nodes(pool)
 
   def pad(x, axis):
     return jnp.pad(x, [(0, width - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)])
@@ -313,7 +314,7 @@ def _round_adaptive(plan, target, drafter, state) -> tuple[DecodeState, Pairs]:
   def run(c):
     cand = pool.candidates[c]
     fixed = dataclasses.replace(plan, tree=cand, costs=(), drawn=plan.drawn and cand.depth > 0)
-    nodes = adaptive.union_nodes(pool)[c]
+    nodes = nodes_C[c]
     drafted = nodes[: cand.num_nodes]
     s = state.replace(
       node_tokens=state.node_tokens[:, drafted], node_logp=state.node_logp[:, drafted]
@@ -370,12 +371,7 @@ def commit(plan: Plan, state: DecodeState, verified: Verified) -> tuple[DecodeSt
   A sequence keeps the accepted drafts and the bonus, cut after its first EOS and at its token
   budget; finished sequences idle (nothing written, counters unchanged).
   """
-  return _commit_path(plan, state, verified, accept_path(plan, state, verified))
-
-
-def _commit_path(plan, state, verified, accepted) -> tuple[DecodeState, Pairs]:
-  """`commit` of an accepted (path, num_accepted, bonus) that `accept_path` gave."""
-  return _write_path(plan, state, _on_path(verified, accepted))
+  return _write_path(plan, state, _on_path(verified, accept_path(plan, state, verified)))
 
 
 @struct.dataclass
@@ -518,7 +514,6 @@ def _draft_adaptive(plan, target, drafter, state, pairs, draw) -> DecodeState:
       1
     ][:, 0]
   choice = adaptive.choose(state.adapt, pool, plan.costs, found, ~state.done)
-  union = {p: i + 1 for i, p in enumerate(pool.paths)}
 
   num_rows = _union_rows(plan.kind, pool) if draw is not None else 1
   vocab = target.cfg.vocab_size if draw is not None else 1
@@ -546,7 +541,7 @@ def _draft_adaptive(plan, target, drafter, state, pairs, draw) -> DecodeState:
       )
     taken = pairs if pending is None else pending
     cache, nodes = propose(drafter, target, state.drafter_cache, taken, context, cand, draw)
-    index = np.asarray([0] + [union[p] for p in cand.paths])
+    index = adaptive.union_nodes(pool)[shapes.index(cand)][: cand.num_nodes]
     place = lambda x: jnp.zeros((batch, pool.num_nodes), x.dtype).at[:, index].set(x)
     logq = no_logq
     if draw is not None:

@@ -215,7 +215,7 @@ def _cache_copies_in_loop(target, barrier: bool) -> int:
 
 
 def test_a_decoding_step_updates_the_cache_in_place():
-  """The commit's write waits for the pass (an optimization barrier in `rounds._commit_path`):
+  """The commit's write waits for the pass (an optimization barrier in `rounds._write_path`):
   without it XLA copied every layer's cache twice per step."""
   target = testing.make_target(5, cfg=TINY.replace(num_layers=6))
   assert _cache_copies_in_loop(target, barrier=False) >= 2 * 6 * 2
