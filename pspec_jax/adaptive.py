@@ -19,11 +19,12 @@ to pay.
 The estimates are exponential moving averages over rounds in which the node was verified
 (`DECAY` per round). A node left out of a round drifts (`DRIFT` per round) back toward its
 long-run rate: a slower average over the same rounds (`LONG_RUN` per round), which starts at the
-node's prior. So a candidate dropped after a run of misses is tried again some rounds later, and
-kept if its drafts are accepted once more, while one whose drafts are rarely accepted over the
-answer is not tried again at the rate its prior promised: drifting toward the prior, a node
-verified in a quarter of the rounds held an estimate about twice its acceptance (for a depth-2
-node at T = 1, 0.13 for 0.06), enough to keep drafting where it did not pay. Drafted nodes
+node's prior and, while the node is left out, itself drifts back toward that prior (`LONG_DRIFT`
+per round). So a candidate dropped after a run of misses is tried again a few rounds later, and
+kept if its drafts are accepted once more; one whose drafts are rarely accepted over the answer
+is tried again only after its long-run rate has climbed back past its cost (about every
+20 rounds for a node accepted a tenth of the time). Without that last drift, dropping a
+candidate would be for good: its long-run rate only moves when it is verified. Drafted nodes
 keep two estimates: for rounds with and without a lookup chain verified next to them (a lookup
 chain is tried first, so it takes the drafted nodes' easy tokens).
 
@@ -43,6 +44,7 @@ from pspec_jax import tree as tree_lib
 __all__ = [
   "DECAY",
   "DRIFT",
+  "LONG_DRIFT",
   "LONG_RUN",
   "Stats",
   "check_costs",
@@ -57,9 +59,10 @@ __all__ = [
   "verified_nodes",
 ]
 
-DECAY = 0.3  # weight of the newest verified round in a node's estimate
-DRIFT = 0.03  # per round, how far an unverified node's estimate moves back toward its long run
+DECAY = 0.2  # weight of the newest verified round in a node's estimate
+DRIFT = 0.1  # per round, how far an unverified node's estimate moves back toward its long run
 LONG_RUN = 0.05  # weight of the newest verified round in a node's long-run rate
+LONG_DRIFT = 0.005  # per round, how far an unverified node's long-run rate moves to its prior
 LOOKUP_PRIOR = 0.6  # prior of lookup node j: LOOKUP_PRIOR ** (j + 1)
 # The cost model of `default_costs` (no calibration): a plain round is 1.
 DEFAULT_NODE_COST = 0.1  # each verified node past the root
@@ -199,20 +202,24 @@ def observe(
   table_B2 = jnp.stack([~with_lookup, with_lookup], axis=1)
   seen = reach[:, None, 1:drafted] & table_B2[:, :, None]
 
-  def update(old, long, seen, hit):
+  def update(old, long, prior, seen, hit):
     """(estimate, long-run rate) after the round: both move toward the outcome where the node
-    was verified; elsewhere the estimate drifts toward the long-run rate, which stays."""
+    was verified; elsewhere the estimate drifts toward the long-run rate, and that, slowly,
+    toward the prior."""
     hit = hit.astype(jnp.float32)
     active = active_B.reshape(active_B.shape + (1,) * (old.ndim - 1))
     new = jnp.where(seen, old + DECAY * (hit - old), old + DRIFT * (long - old))
-    new_long = jnp.where(seen, long + LONG_RUN * (hit - long), long)
+    new_long = jnp.where(
+      seen, long + LONG_RUN * (hit - long), long + LONG_DRIFT * (jnp.asarray(prior) - long)
+    )
     return jnp.where(active, new, old), jnp.where(active, new_long, long)
 
+  prior_u, prior_j = _priors(pool)
   drafted_u, drafted_long = update(
-    stats.drafted, stats.drafted_long, seen, on_path[:, None, 1:drafted]
+    stats.drafted, stats.drafted_long, prior_u, seen, on_path[:, None, 1:drafted]
   )
   lookup_j, lookup_long = update(
-    stats.lookup, stats.lookup_long, reach[:, drafted:], on_path[:, drafted:]
+    stats.lookup, stats.lookup_long, prior_j, reach[:, drafted:], on_path[:, drafted:]
   )
   any_active = jnp.any(active_B).astype(jnp.int32)
   return stats.replace(

@@ -139,27 +139,28 @@ def test_drafts_stop_when_rejected_and_resume_when_accepted_again():
     stats = next_choice(fake_round(stats, hits=False))
     rounds += 1
   assert int(stats.choice) == 0 and rounds <= 4
-  # Nothing drafted for a while: the estimates drift back until a candidate is tried again ...
+  # Nothing drafted for a while: the estimates drift back until a candidate is tried again
+  # (soon: a few misses barely move the long-run rates) ...
   waited = 0
   while int(stats.choice) == 0 and waited < 200:
     stats = next_choice(fake_round(stats, hits=True))  # the root alone verifies no draft
     waited += 1
-  assert int(stats.choice) > 0 and waited > 5
-  # ... and, accepted again, drafting goes on (up to the whole chain).
+  assert int(stats.choice) > 0 and waited <= 10
+  # ... and, accepted again, drafting goes on.
   choices = []
   for _ in range(10):
     stats = next_choice(fake_round(stats, hits=True))
     choices.append(int(stats.choice))
-  assert all(c > 0 for c in choices) and choices[-1] == 2
+  assert all(c > 0 for c in choices)
   assert stats.chosen.tolist()[0] > 0 and sum(stats.chosen.tolist()) == rounds + waited + 10
 
 
-@pytest.mark.parametrize(("rate", "most"), [(0.1, 4), (0.2, 10)])
+@pytest.mark.parametrize(("rate", "most"), [(0.1, 20), (0.2, 40)])
 def test_drafts_rarely_accepted_are_seldom_tried_again(rate, most):
-  """The paths:0 candidate pays from an acceptance of 0.4 (cost 1.4); its drafts are accepted
-  at `rate`. Drifting back toward the prior (0.6) would try it again every few tens of rounds
-  for good (18 and 25 of rounds 200-400 at 0.1 and 0.2); the long-run rate learns the
-  acceptance."""
+  """The chain of 4 pays from an acceptance of 0.225 (cost 1.9) and (0,) from 0.4 (cost 1.4);
+  their drafts are accepted at `rate`. They are tried again now and then, never for good
+  (their long-run rates climb back to the prior while they are left out), but on at most
+  `most` of rounds 200-400: a tenth of the rounds at 0.1, a fifth at 0.2."""
   stats = next_choice(adaptive.init_stats(POOL, 1))
   drafted = []
   for _ in range(400):
@@ -168,6 +169,7 @@ def test_drafts_rarely_accepted_are_seldom_tried_again(rate, most):
     drafted.append(tried)
     stats = next_choice(fake_round(stats, hits=hit))
   assert 0 < sum(drafted[200:]) <= most
+  assert sum(drafted[300:]) > 0  # not dropped for good
 
 
 def test_the_choice_weighs_tokens_against_costs():
