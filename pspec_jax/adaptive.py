@@ -13,8 +13,11 @@ the context repeats (a lookup exists) and the candidate has a chain. The loop ve
 candidate with the largest tokens(c) / cost(c), summed over the active sequences of the batch
 (one tree serves the batch); cost(c) is a round with c relative to a plain round (the root
 alone, cost 1), measured once per machine (`infer.calibration`) and passed in as
-`DecodeConfig.costs`. Ties go to the root alone, so speculation runs only where it is expected
-to pay.
+`DecodeConfig.costs`. A candidate's lookup chain is a choice of its own: where a lookup exists,
+c is weighed with its chain (tokens and cost with lookup) and without it (as if none were found),
+so a chain that is found often but rarely accepted (chat text) is left out rather than paid for
+every round. Ties go to the root alone and to no chain, so speculation runs only where it is
+expected to pay.
 
 The estimates are exponential moving averages over rounds in which the node was verified
 (`DECAY` per round). A node left out of a round drifts (`DRIFT` per round) back toward its
@@ -74,6 +77,7 @@ class Stats:
   """The loop's running acceptance statistics and the candidate it picked."""
 
   choice: jax.Array  # [] int32: the candidate drafted for (and verified in) the next round
+  chain: jax.Array  # [] bool: whether that round verifies its lookup chain (where one is found)
   drafted: jax.Array  # [B, 2, Md - 1] a(u) for the drafted non-root nodes, without / with lookup
   lookup: jax.Array  # [B, L] l(j)
   drafted_long: jax.Array  # [B, 2, Md - 1] the long-run rates the estimates drift back to
@@ -114,6 +118,7 @@ def init_stats(pool: tree_lib.Tree, batch: int) -> Stats:
   lookup = jnp.broadcast_to(jnp.asarray(lookup), (batch, len(lookup)))
   return Stats(
     choice=jnp.zeros((), jnp.int32),
+    chain=jnp.zeros((), jnp.bool_),
     drafted=drafted,
     lookup=lookup,
     drafted_long=drafted,
@@ -140,16 +145,18 @@ def union_nodes(pool: tree_lib.Tree) -> list[np.ndarray]:
 
 
 def expected_tokens(stats: Stats, pool: tree_lib.Tree, found_B: jax.Array) -> jax.Array:
-  """[B, C] expected tokens of a round with each candidate; `found_B`: a lookup exists."""
+  """[B, 2, C] expected tokens of a round with each candidate, without and with its lookup
+  chain (the chain runs where `found_B`: a lookup exists)."""
   members = jnp.asarray(_members(pool))  # [C, U]
   lengths = jnp.asarray(_lookups(pool))
   runs_BC = found_B[:, None] & (lengths > 0)[None, :]
   # Masked sums, not matmuls: exact whatever the matmul precision.
   drafted_BC2 = jnp.where(members[None, :, None, :], stats.drafted[:, None], 0.0).sum(-1)
-  drafted_BC = jnp.where(runs_BC, drafted_BC2[..., 1], drafted_BC2[..., 0])
   in_chain_CL = jnp.arange(pool.lookup)[None, :] < lengths[:, None]
   lookup_BC = jnp.where(in_chain_CL[None], stats.lookup[:, None, :], 0.0).sum(-1)
-  return 1.0 + drafted_BC + jnp.where(runs_BC, lookup_BC, 0.0)
+  without = 1.0 + drafted_BC2[..., 0]
+  with_chain = jnp.where(runs_BC, 1.0 + drafted_BC2[..., 1] + lookup_BC, without)
+  return jnp.stack([without, with_chain], axis=1)
 
 
 def choose(
@@ -158,15 +165,24 @@ def choose(
   costs: tuple[tuple[float, float], ...],
   found_B: jax.Array,
   active_B: jax.Array,
-) -> jax.Array:
-  """[] the candidate of most expected tokens per cost over the active sequences (the first,
-  the root alone, on ties and when none is active)."""
-  tokens_C = jnp.where(active_B[:, None], expected_tokens(stats, pool, found_B), 0.0).sum(0)
+) -> tuple[jax.Array, jax.Array]:
+  """The next round: ([] candidate, [] whether it verifies its lookup chain), the option of
+  most expected tokens per cost over the active sequences. A chain found but expected to
+  yield less than it costs is left out, as a drafted candidate is. Ties go to the root alone
+  and to leaving the chain out; so does a batch with no active sequence."""
+  tokens_2C = jnp.where(active_B[:, None, None], expected_tokens(stats, pool, found_B), 0.0)
+  tokens_2C = tokens_2C.sum(0)
   lengths = jnp.asarray(_lookups(pool))
   lookup_runs = jnp.any(active_B & found_B) & (lengths > 0)
   table = jnp.asarray(costs, jnp.float32)
-  cost_C = jnp.where(lookup_runs, table[:, 1], table[:, 0])
-  return jnp.argmax(tokens_C / cost_C).astype(jnp.int32)
+  cost_2C = jnp.stack([table[:, 0], jnp.where(lookup_runs, table[:, 1], table[:, 0])])
+  # A candidate without a chain that runs has no second option: its first one stands.
+  ratio_2C = (
+    (tokens_2C / cost_2C).at[1].set(jnp.where(lookup_runs, tokens_2C[1] / cost_2C[1], -jnp.inf))
+  )
+  best = jnp.argmax(ratio_2C.reshape(-1)).astype(jnp.int32)
+  num = len(pool.candidates)
+  return best % num, best >= num
 
 
 def reachable(tree: tree_lib.TreeArrays, depth: int) -> jax.Array:

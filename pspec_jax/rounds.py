@@ -302,9 +302,10 @@ def _round_adaptive(plan, target, drafter, state) -> tuple[DecodeState, Pairs]:
   batch = state.tokens.shape[0]
   lookup = None
   if pool.lookup:  # found once for every candidate's chain
-    lookup = pld_candidates(
+    chains, found = pld_candidates(
       state.tokens, state.num_tokens, pool.lookup, LOOKUP_NGRAMS[1], LOOKUP_NGRAMS[0]
     )
+    lookup = chains, found & state.adapt.chain  # a chain left out this round is not found
   width = plan.max_depth + 1
   nodes_C = adaptive.union_nodes(pool)
 
@@ -513,7 +514,7 @@ def _draft_adaptive(plan, target, drafter, state, pairs, draw) -> DecodeState:
     found = pld_candidates(state.tokens, state.num_tokens, 1, LOOKUP_NGRAMS[1], LOOKUP_NGRAMS[0])[
       1
     ][:, 0]
-  choice = adaptive.choose(state.adapt, pool, plan.costs, found, ~state.done)
+  choice, chain = adaptive.choose(state.adapt, pool, plan.costs, found, ~state.done)
 
   num_rows = _union_rows(plan.kind, pool) if draw is not None else 1
   vocab = target.cfg.vocab_size if draw is not None else 1
@@ -558,7 +559,7 @@ def _draft_adaptive(plan, target, drafter, state, pairs, draw) -> DecodeState:
     drafter_cache=cache,
     node_tokens=node_tokens,
     node_logp=node_logp,
-    adapt=state.adapt.replace(choice=choice),
+    adapt=state.adapt.replace(choice=choice, chain=chain),
     pending=state.pending if pending is None else left,
   )
   return state.replace(draft_logq=logq) if draw is not None else state

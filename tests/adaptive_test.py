@@ -127,7 +127,8 @@ def fake_round(stats, hits: bool, active=(True,)):
 
 def next_choice(stats, active=(True,)):
   found = jnp.zeros((len(active),), jnp.bool_)
-  return stats.replace(choice=adaptive.choose(stats, POOL, COSTS, found, jnp.asarray(active)))
+  choice, chain = adaptive.choose(stats, POOL, COSTS, found, jnp.asarray(active))
+  return stats.replace(choice=choice, chain=chain)
 
 
 def test_drafts_stop_when_rejected_and_resume_when_accepted_again():
@@ -179,16 +180,16 @@ def test_the_choice_weighs_tokens_against_costs():
   stats = stats.replace(drafted=jnp.broadcast_to(rates, stats.drafted.shape))
   found, both = jnp.zeros((2,), jnp.bool_), jnp.asarray([True, True])
   tokens = adaptive.expected_tokens(stats, POOL, found)
-  np.testing.assert_allclose(tokens, [[1, 1.5, 1.9]] * 2, rtol=1e-6)
-  assert int(adaptive.choose(stats, POOL, COSTS, found, both)) == 1
+  np.testing.assert_allclose(tokens, [[[1, 1.5, 1.9]] * 2] * 2, rtol=1e-6)
+  assert int(adaptive.choose(stats, POOL, COSTS, found, both)[0]) == 1
   # Costs that make (0,) lose: the root alone, even though (0,) is accepted half the time.
   costly = ((1.0, 1.0), (1.6, 1.6), (2.5, 2.5))
-  assert int(adaptive.choose(stats, POOL, costly, found, both)) == 0
+  assert int(adaptive.choose(stats, POOL, costly, found, both)[0]) == 0
   # Finished sequences do not count: one sure sequence left decides the batch alone.
   sure = stats.drafted.at[1].set(1.0)
   stats = stats.replace(drafted=sure)
-  assert int(adaptive.choose(stats, POOL, costly, found, jnp.asarray([False, True]))) == 2
-  assert int(adaptive.choose(stats, POOL, costly, found, jnp.asarray([False, False]))) == 0
+  assert int(adaptive.choose(stats, POOL, costly, found, jnp.asarray([False, True]))[0]) == 2
+  assert int(adaptive.choose(stats, POOL, costly, found, jnp.asarray([False, False]))[0]) == 0
 
 
 def test_a_lookup_match_makes_the_lookup_candidates_pay():
@@ -197,8 +198,30 @@ def test_a_lookup_match_makes_the_lookup_candidates_pay():
   stats = adaptive.init_stats(pool, 1)
   stats = stats.replace(drafted=jnp.full_like(stats.drafted, 0.3))
   active = jnp.asarray([True])
-  assert int(adaptive.choose(stats, pool, costs, jnp.asarray([False]), active)) == 0
-  assert int(adaptive.choose(stats, pool, costs, jnp.asarray([True]), active)) == 2
+  no_match, match = jnp.asarray([False]), jnp.asarray([True])
+  assert [int(x) for x in adaptive.choose(stats, pool, costs, no_match, active)] == [0, 0]
+  assert [int(x) for x in adaptive.choose(stats, pool, costs, match, active)] == [2, 1]
+
+
+def test_a_chain_that_does_not_pay_is_left_out():
+  """A match is found, but the chain's nodes are rarely accepted: the drafted candidate runs
+  without its chain (the chain would cost more than it yields), or with it once it pays."""
+  pool = tree_specs.parse("adaptive:lookup:3|paths:0+lookup:3", 4)
+  costs = ((1.0, 1.0), (1.0, 1.3), (1.2, 1.5))
+  stats = adaptive.init_stats(pool, 1)
+  stats = stats.replace(
+    drafted=jnp.full_like(stats.drafted, 0.6), lookup=jnp.full_like(stats.lookup, 0.05)
+  )
+  active, match = jnp.asarray([True]), jnp.asarray([True])
+  # paths:0 alone: 1.6 / 1.2 = 1.33; with the chain 1.75 / 1.5; the chain alone 1.15 / 1.3.
+  assert [int(x) for x in adaptive.choose(stats, pool, costs, match, active)] == [2, 0]
+  stats = stats.replace(lookup=jnp.full_like(stats.lookup, 0.5))  # 3.1 / 1.5 against 2.5 / 1.3
+  assert [int(x) for x in adaptive.choose(stats, pool, costs, match, active)] == [2, 1]
+  # Nothing pays: the root alone, and no chain.
+  stats = stats.replace(
+    drafted=jnp.full_like(stats.drafted, 0.1), lookup=jnp.full_like(stats.lookup, 0.05)
+  )
+  assert [int(x) for x in adaptive.choose(stats, pool, costs, match, active)] == [0, 0]
 
 
 # --- spelling: trees and drafter files ---------------------------------------------------------
