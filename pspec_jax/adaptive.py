@@ -174,12 +174,9 @@ def choose(
   tokens_2C = tokens_2C.sum(0)
   lengths = jnp.asarray(_lookups(pool))
   lookup_runs = jnp.any(active_B & found_B) & (lengths > 0)
-  table = jnp.asarray(costs, jnp.float32)
-  cost_2C = jnp.stack([table[:, 0], jnp.where(lookup_runs, table[:, 1], table[:, 0])])
+  ratio_2C = tokens_2C / jnp.asarray(costs, jnp.float32).T
   # A candidate without a chain that runs has no second option: its first one stands.
-  ratio_2C = (
-    (tokens_2C / cost_2C).at[1].set(jnp.where(lookup_runs, tokens_2C[1] / cost_2C[1], -jnp.inf))
-  )
+  ratio_2C = ratio_2C.at[1].set(jnp.where(lookup_runs, ratio_2C[1], -jnp.inf))
   best = jnp.argmax(ratio_2C.reshape(-1)).astype(jnp.int32)
   num = len(pool.candidates)
   return best % num, best >= num
@@ -225,9 +222,7 @@ def observe(
     hit = hit.astype(jnp.float32)
     active = active_B.reshape(active_B.shape + (1,) * (old.ndim - 1))
     new = jnp.where(seen, old + DECAY * (hit - old), old + DRIFT * (long - old))
-    new_long = jnp.where(
-      seen, long + LONG_RUN * (hit - long), long + LONG_DRIFT * (jnp.asarray(prior) - long)
-    )
+    new_long = jnp.where(seen, long + LONG_RUN * (hit - long), long + LONG_DRIFT * (prior - long))
     return jnp.where(active, new, old), jnp.where(active, new_long, long)
 
   prior_u, prior_j = _priors(pool)
