@@ -164,6 +164,9 @@ def training_config(
       temperature=0.0,
       method="none",  # lossless, so only speed changes: none | pld
       shard_size=256,
+      # Pad every batch's prompts to max_prompt_tokens (one compilation; for accelerators)
+      # instead of to the power of two above its longest (less prefill; a few compilations).
+      one_width=False,
     )
   )
   return c

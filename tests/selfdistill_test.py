@@ -183,3 +183,19 @@ def _greedy_answers(smollm2, prompts, max_new_tokens=8):
     tokenizer.decode(out.tokens[row, : out.lengths[row]].tolist(), skip_special_tokens=True)
     for row in range(len(prompts))
   ]
+
+
+def test_batches_pad_to_their_bucket_or_with_one_width_to_the_prompt_cap():
+  import ml_collections
+
+  from train import selfdistill
+
+  s = ml_collections.ConfigDict(dict(batch_size=4, max_prompt_tokens=256, one_width=False))
+  prompts = [[5] * 40, [6] * 3, [7] * 33]
+  tokens, lengths = selfdistill.batch_prompts(prompts, 0, s)
+  assert tokens.shape == (4, 64) and lengths.tolist() == [40, 3, 33, 1]
+  assert tokens[0, :40].tolist() == [5] * 40 and not tokens[0, 40:].any() and not tokens[3].any()
+  s.one_width = True
+  wide, wide_lengths = selfdistill.batch_prompts(prompts, 0, s)
+  assert wide.shape == (4, 256) and wide_lengths.tolist() == lengths.tolist()
+  assert (wide[:, :64] == tokens).all() and not wide[:, 64:].any()

@@ -124,7 +124,6 @@ def _answerer(config, tokenizer):
   import numpy as np
 
   from pspec_jax import checkpoints, decode, drafter_files, sharding
-  from pspec_jax import prompts as prompts_lib
   from pspec_jax.sampling import SamplingConfig
   from train import build
 
@@ -157,19 +156,13 @@ def _answerer(config, tokenizer):
 
   def answer(index, shard, progress):
     answers = [None] * len(shard)
-    # Batches of similar prompt lengths, each padded to its own width (a power of two, at most
-    # max_prompt_tokens): less prefill and a shorter cache to attend over than one width for
-    # all, for a few compilations. Batches stay within a shard: a batch, its padding and its
-    # key (the shard's index and the batch's place in it) are then the same whichever process
-    # answers the shard, so one process and many write the same dataset, sampling too.
+    # Batches of similar prompt lengths. Batches stay within a shard: a batch, its padding and
+    # its key (the shard's index and the batch's place in it) are then the same whichever
+    # process answers the shard, so one process and many write the same dataset, sampling too.
     by_length = sorted(range(len(shard)), key=lambda i: len(shard[i][2]))
     for start in range(0, len(shard), s.batch_size):
       rows = by_length[start : start + s.batch_size]
-      tokens, lengths = prompts_lib.pad_batch(
-        [shard[i][2] for i in rows], cfg.pad_id, max_width=s.max_prompt_tokens
-      )
-      tokens = np.pad(tokens, ((0, s.batch_size - len(rows)), (0, 0)), constant_values=cfg.pad_id)
-      lengths = np.pad(lengths, (0, s.batch_size - len(rows)), constant_values=1)
+      tokens, lengths = batch_prompts([shard[i][2] for i in rows], cfg.pad_id, s)
       batch_key = jax.random.fold_in(key, index * s.shard_size + start)
       out = jax.device_get(decode.generate(target, tokens, lengths, batch_key, cfg, drafter))
       for row, i in enumerate(rows):  # padding rows are dropped
@@ -179,6 +172,26 @@ def _answerer(config, tokenizer):
     return answers
 
   return answer
+
+
+def batch_prompts(prompts: list[list[int]], pad_id: int, s) -> tuple:
+  """One batch of prompt ids as (tokens [batch_size, W], lengths [batch_size]), rows past the
+  prompts padded (length 1, dropped from the answers).
+
+  W is the power of two above the longest prompt, at most `s.max_prompt_tokens`: less prefill
+  and a shorter cache to attend over than one width for all, for a few compilations. With
+  `s.one_width`, W is `s.max_prompt_tokens` for every batch: one compilation, for accelerators,
+  where compiling a width costs more than the padding does.
+  """
+  import numpy as np
+
+  from pspec_jax import prompts as prompts_lib
+
+  tokens, lengths = prompts_lib.pad_batch(prompts, pad_id, max_width=s.max_prompt_tokens)
+  width = s.max_prompt_tokens if s.one_width else tokens.shape[1]
+  pad_rows = s.batch_size - len(prompts)
+  tokens = np.pad(tokens, ((0, pad_rows), (0, width - tokens.shape[1])), constant_values=pad_id)
+  return tokens, np.pad(lengths, (0, pad_rows), constant_values=1)
 
 
 def _write_shard(path: str, shard, answers) -> None:
