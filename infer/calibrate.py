@@ -29,8 +29,14 @@ def main():
   # The first MT-Bench question is the context the rounds are timed at.
   prompt = prompts_lib.prompt_set("mt_bench", 1)[0]
   ids = prompts_lib.encode_prompt(tokenizer, prompt, tokenizer.chat_template is not None)
+  # The layout decoding runs (panels on a CPU): the costs are kept per layout.
   target = checkpoints.load_target(
-    FLAGS.target, dtype=dtype, param_dtype=dtype, scan_layers=False, untie_head=True
+    FLAGS.target,
+    dtype=dtype,
+    param_dtype=dtype,
+    scan_layers=False,
+    untie_head=True,
+    weight_layout="decode",
   )
   # Sampled rounds are timed apart from greedy ones (the temperature itself costs nothing).
   sampling = SamplingConfig(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p)

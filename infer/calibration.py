@@ -8,17 +8,19 @@ drafter kind, draft vocabulary and tree) and acceptance rule: a sampled round (T
 more than a greedy one, and more again with drafts drawn from q (filtering, Gumbel draws), so
 sampled rounds are timed at their own sampling settings and kept apart (`rule_key`). A
 program that decodes with an adaptive tree (`infer.generate`, `infer.bench`) reads them from
-there, measuring what is missing at its first decode (a few jitted passes, compiled and
+there, measuring what is missing at its first decode (two round programs, compiled and
 timed); `python -m infer.calibrate` measures on demand. Every measurement is printed and
 stored with its raw times:
 
-  cost(c) = 1 + (verify(nodes of c) - verify(1) + draft(c) - feed) / (plain round + feed)
+  cost(c) = round(c) / plain round
 
-where verify(n) is one target pass over n tree nodes, draft(c) the drafter's pass for c's
-nodes, feed what the drafter costs a round that drafts nothing (taking in the pairs that
-rounds left pending, once per kept + 1 such rounds: what a round with the root alone adds to
-a plain one) and the plain round a whole auto-regressive round. Each candidate has
-two costs: without and with its prompt-lookup chain verified.
+where round(c) is a round of the decoding loop with the choice pinned to c (the lookup search,
+the verification of c's nodes, acceptance, the commit, the choice and c's next draft; rounds
+that draft nothing include their share of the feed that takes in the pairs they leave pending)
+and the plain round one of plain decoding, both timed as the loop runs them, several in a row
+updating the state in place. Each candidate has two costs: without and with its prompt-lookup
+chain verified. Summed from a round's passes instead, realized rounds had cost 9% (fixed trees)
+to 25% (adaptive ones) more than calibrated.
 
 A file that cannot be read as a calibration (corrupt, or of another version) is reported in one
 line and measured again; it never stops a decode.
@@ -37,13 +39,13 @@ import numpy as np
 import pspec_jax
 from infer import measure as measure_lib
 from pspec_jax import adaptive, cpu_kernel, decode
-from pspec_jax import drafter as drafter_lib
 from pspec_jax import prompts as prompts_lib
-from pspec_jax import propose as propose_lib
-from pspec_jax import tree as tree_lib
+from pspec_jax import rounds as rounds_lib
 
-VERSION = 2  # 2: rounds that draft nothing leave their pairs pending (cheaper root rounds)
+VERSION = 3  # 3: whole rounds timed with the choice pinned (2: summed from their passes)
 FILE = "round_costs.json"
+# The pinned candidate's cost, and every other option's: only the pinned one is affordable.
+PINNED_IN, PINNED_OUT = 1e-3, 1e9
 
 
 def default_path() -> str:
@@ -115,79 +117,63 @@ def save(path: str, machines: dict) -> None:
   os.replace(tmp, path)  # whole or not at all
 
 
-def measure(target, drafter, pool, batch: int, ids: list[int], cfg=None, repeats: int = 15) -> dict:
-  """Raw times (ms, medians of `repeats`) and the costs of every candidate of `pool`, under
-  the sampling settings and draft rule of DecodeConfig `cfg` (default: greedy).
+def _pinned(state, choice: int, chain: bool, num: int):
+  """`state` with the candidate of its next round pinned: made the only affordable option
+  (`adaptive.choose` then picks it every round), and chosen for the round about to run. Its
+  chain pinned on, it runs without one in rounds where no lookup is found."""
+  pin = jnp.full((2, num), PINNED_OUT, jnp.float32).at[:, choice].set(10 * PINNED_IN)
+  pin = pin.at[int(chain), choice].set(PINNED_IN)
+  stats = state.adapt.replace(costs=pin, choice=jnp.int32(choice), chain=jnp.bool_(chain))
+  return state.replace(adapt=stats)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _rounds(plan, target, drafter, state, count):
+  """`count` rounds of the decoding loop, in place as inside `decode.generate`'s loop (one
+  compilation for any count)."""
+  step = lambda _, s: rounds_lib.round_step(plan, target, drafter, s)
+  return jax.lax.fori_loop(0, count, step, state)
+
+
+def measure(target, drafter, pool, batch: int, ids: list[int], cfg=None, repeats: int = 5) -> dict:
+  """Raw times (ms per round, medians of `repeats`) and the costs of every candidate of `pool`,
+  under the sampling settings and draft rule of DecodeConfig `cfg` (default: greedy).
+
+  Rounds are timed whole, as the decoding loop runs them, `kept + 1` in a row (one pending
+  buffer's worth of rounds that draft nothing): the lookup search, the verification of the
+  candidate's nodes, acceptance, the commit, the choice and the next draft, with the choice
+  pinned to the candidate; and plain rounds the same way. The context is the prompt `ids`
+  twice, so the lookup finds a match and the chain runs where it is pinned on.
 
   Returns {candidate spec: {"costs": [without, with lookup], ...times}}.
   """
-  inputs = (*prompts_lib.pad_batch([ids] * batch), jax.random.key(0))  # tokens, lengths, key
+  inputs = (*prompts_lib.pad_batch([ids + ids] * batch), jax.random.key(0))  # tokens, lengths, key
   drafter = drafter.with_head(target)
   cfg = cfg or decode.DecodeConfig()
-  base = dataclasses.replace(cfg, max_new_tokens=pool.max_depth + 8, costs=(), mesh=None)
-  # Every pass is compiled first, then all are timed in turns (`measure.interleaved_ms`), so
-  # the machine's drift hits them alike.
+  kept = pool.max_depth + 1
+  count = kept + 1
+  base = dataclasses.replace(cfg, max_new_tokens=(count + 2) * kept, costs=(), mesh=None)
   width = inputs[0].shape[1]
   plain = decode.make_plan(base, None, width)
-  calls = {
-    "plain": (decode.round_step, plain, target, None, decode.init(plain, target, None, *inputs))
-  }
-  # A verification pass over n nodes: a chain of n - 1 prompt-lookup drafts (no drafter pass).
-  pld = drafter_lib.Drafter(
-    cfg=drafter_lib.DrafterConfig.for_target("pld", target.cfg, num_draft=1), params={}
-  )
-  nodes = sorted({n for pair in adaptive.verified_nodes(pool) for n in pair})
-  for n in nodes:
-    d = pld if n > 1 else None
-    plan = decode.make_plan(
-      dataclasses.replace(base, tree="chain", num_draft=max(n - 1, 1)), d, width
-    )
-    calls[f"verify {n}"] = (decode.verify, plan, target, d, decode.init(plan, target, d, *inputs))
-  # The drafter's pass per candidate, on pairs as wide as a round of the union tree gives, or
-  # as its pending buffer (`rounds.PENDING_ROUNDS`) when rounds that draft nothing leave their
-  # pairs pending: then a feed comes once per kept + 1 of them (one pair each).
-  kept = pool.max_depth + 1
-  plan = decode.make_plan(base, drafter, width)
+  state = decode.init(plain, target, None, *inputs)
+  calls = {"plain": (_rounds, plain, target, None, state, count)}
+  plan = decode.make_plan(dataclasses.replace(base, tree=pool.spec), drafter, width)
   state = decode.init(plan, target, drafter, *inputs)
-  rows, rounds_per_feed = kept, 1
-  if state.pending is not None:
-    rows, rounds_per_feed = state.pending.tokens.shape[1], kept + 1
-  pairs = propose_lib.Pairs(
-    tokens=jnp.ones((batch, rows), jnp.int32),
-    features=jnp.ones((batch, rows, drafter.cfg.feature_width), target.cfg.dtype),
-    count=jnp.ones((batch,), jnp.int32),
-  )
-  calls["feed"] = (jax.jit(propose_lib.feed), drafter, target, state.drafter_cache, pairs)
-
-  # A sampled round draws its drafts from q: the filtering and the draws are part of the pass.
-  @functools.partial(jax.jit, static_argnames="pool")
-  def propose(drafter, target, cache, pairs, context, pool, key):
-    draw = propose_lib.Draw(plan.sampling, key) if plan.drawn else None
-    return propose_lib.propose(drafter, target, cache, pairs, context, pool, draw)
-
-  context = (state.tokens, state.num_tokens)
-  for cand in pool.candidates:
-    if cand.paths:
-      drafted = tree_lib.Tree(paths=cand.paths)
-      args = (drafter, target, state.drafter_cache, pairs, context, drafted, inputs[2])
-      calls[f"draft {cand.spec}"] = (propose, *args)
-  ms = measure_lib.interleaved_ms(calls, repeats)
-  plain_ms, feed_ms = ms["plain"], ms["feed"] / rounds_per_feed  # per round drafting nothing
-  verify_ms = {n: ms[f"verify {n}"] for n in nodes}
-  draft_ms = [ms.get(f"draft {c.spec}", feed_ms) for c in pool.candidates]
-  costs = adaptive.relative_costs(
-    pool, plain_ms + feed_ms, verify_ms, [ms - feed_ms for ms in draft_ms]
-  )
+  num = len(pool.candidates)
+  for c, cand in enumerate(pool.candidates):
+    for chain in (False, True) if cand.lookup else (False,):
+      # One round first, so the timed ones start from nodes drafted for this candidate.
+      ready = _rounds(plan, target, drafter, _pinned(state, c, chain, num), 1)
+      calls[(c, chain)] = (_rounds, plan, target, drafter, ready, count)
+  ms = {name: t / count for name, t in measure_lib.interleaved_ms(calls, repeats).items()}
   out = {}
   for c, cand in enumerate(pool.candidates):
+    round_ms = [ms.get((c, chain), ms[(c, False)]) for chain in (False, True)]
     n0, n1 = adaptive.verified_nodes(pool)[c]
     out[cand.spec] = dict(
-      costs=list(costs[c]),
-      plain_ms=plain_ms,
-      feed_ms=feed_ms,
-      draft_ms=draft_ms[c],
-      verify_ms=[verify_ms[n0], verify_ms[n1]],
-      verify_root_ms=verify_ms[1],
+      costs=[1.0 if c == 0 else max(1.0, t / ms["plain"]) for t in round_ms],
+      plain_ms=ms["plain"],
+      round_ms=round_ms,
       nodes=[n0, n1],
     )
   return out
@@ -197,14 +183,13 @@ def explain(key: str, entries: dict[str, dict]) -> str:
   """A table of the candidates' costs and the times they come from."""
   lines = [
     f"Round costs on {key} (a plain round is 1; from raw medians, ms):",
-    "| candidate | nodes | cost | cost with lookup | draft ms | verify ms | plain round ms |",
-    "|---|---|---|---|---|---|---|",
+    "| candidate | nodes | cost | cost with lookup | round ms | plain round ms |",
+    "|---|---|---|---|---|---|",
   ]
   for name, e in entries.items():
     lines.append(
       f"| {name} | {e['nodes'][0]}/{e['nodes'][1]} | {e['costs'][0]:.3f} | {e['costs'][1]:.3f} | "
-      f"{e['draft_ms']:.2f} | {e['verify_ms'][0]:.2f}/{e['verify_ms'][1]:.2f} | "
-      f"{e['plain_ms']:.2f} |"
+      f"{e['round_ms'][0]:.2f}/{e['round_ms'][1]:.2f} | {e['plain_ms']:.2f} |"
     )
   return "\n".join(lines)
 

@@ -83,6 +83,7 @@ class Stats:
   drafted_long: jax.Array  # [B, 2, Md - 1] the long-run rates the estimates drift back to
   lookup_long: jax.Array  # [B, L]
   chosen: jax.Array  # [C] int32 rounds verified with each candidate
+  costs: jax.Array  # [2, C] a round's cost with each candidate, without / with its lookup chain
 
 
 def _members(pool: tree_lib.Tree) -> np.ndarray:
@@ -111,8 +112,9 @@ def _priors(pool: tree_lib.Tree) -> tuple[np.ndarray, np.ndarray]:
   return drafted, lookup
 
 
-def init_stats(pool: tree_lib.Tree, batch: int) -> Stats:
-  """Every estimate at its prior; the root alone chosen."""
+def init_stats(pool: tree_lib.Tree, batch: int, costs: tuple[tuple[float, float], ...]) -> Stats:
+  """Every estimate at its prior; the root alone chosen. The costs (`DecodeConfig.costs`) ride
+  in the state, not in the compiled program: new ones need no compilation."""
   drafted, lookup = _priors(pool)
   drafted = jnp.broadcast_to(jnp.asarray(drafted), (batch, 2, len(drafted)))
   lookup = jnp.broadcast_to(jnp.asarray(lookup), (batch, len(lookup)))
@@ -124,6 +126,7 @@ def init_stats(pool: tree_lib.Tree, batch: int) -> Stats:
     drafted_long=drafted,
     lookup_long=lookup,
     chosen=jnp.zeros((len(pool.candidates),), jnp.int32),
+    costs=jnp.asarray(costs, jnp.float32).T,
   )
 
 
@@ -162,7 +165,6 @@ def expected_tokens(stats: Stats, pool: tree_lib.Tree, found_B: jax.Array) -> ja
 def choose(
   stats: Stats,
   pool: tree_lib.Tree,
-  costs: tuple[tuple[float, float], ...],
   found_B: jax.Array,
   active_B: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
@@ -174,7 +176,7 @@ def choose(
   tokens_2C = tokens_2C.sum(0)
   lengths = jnp.asarray(_lookups(pool))
   lookup_runs = jnp.any(active_B & found_B) & (lengths > 0)
-  ratio_2C = tokens_2C / jnp.asarray(costs, jnp.float32).T
+  ratio_2C = tokens_2C / stats.costs
   # A candidate without a chain that runs has no second option: its first one stands.
   ratio_2C = ratio_2C.at[1].set(jnp.where(lookup_runs, ratio_2C[1], -jnp.inf))
   best = jnp.argmax(ratio_2C.reshape(-1)).astype(jnp.int32)

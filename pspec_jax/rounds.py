@@ -168,7 +168,7 @@ def init(
     node_tokens=jnp.zeros((batch, 1), jnp.int32),
     node_logp=jnp.zeros((batch, 1), jnp.float32),
     draft_logq=jnp.zeros((batch, 1, 1), jnp.float32),
-    adapt=adaptive.init_stats(pool, batch) if pool.candidates else None,
+    adapt=adaptive.init_stats(pool, batch, plan.costs) if pool.candidates else None,
   )
   # Prompt pair t is (h_t, x_{t+1}); the last one carries the first bonus token.
   pairs = Pairs(tokens=tokens[:, 1 : width + 1], features=hidden, count=prompt_lengths)
@@ -514,7 +514,7 @@ def _draft_adaptive(plan, target, drafter, state, pairs, draw) -> DecodeState:
     found = pld_candidates(state.tokens, state.num_tokens, 1, LOOKUP_NGRAMS[1], LOOKUP_NGRAMS[0])[
       1
     ][:, 0]
-  choice, chain = adaptive.choose(state.adapt, pool, plan.costs, found, ~state.done)
+  choice, chain = adaptive.choose(state.adapt, pool, found, ~state.done)
 
   num_rows = _union_rows(plan.kind, pool) if draw is not None else 1
   vocab = target.cfg.vocab_size if draw is not None else 1

@@ -127,12 +127,12 @@ def fake_round(stats, hits: bool, active=(True,)):
 
 def next_choice(stats, active=(True,)):
   found = jnp.zeros((len(active),), jnp.bool_)
-  choice, chain = adaptive.choose(stats, POOL, COSTS, found, jnp.asarray(active))
+  choice, chain = adaptive.choose(stats, POOL, found, jnp.asarray(active))
   return stats.replace(choice=choice, chain=chain)
 
 
 def test_drafts_stop_when_rejected_and_resume_when_accepted_again():
-  stats = next_choice(adaptive.init_stats(POOL, 1))
+  stats = next_choice(adaptive.init_stats(POOL, 1, COSTS))
   assert int(stats.choice) > 0  # the priors promise more than the costs
   # Every draft rejected: the root alone within a few rounds.
   rounds = 0
@@ -162,7 +162,7 @@ def test_drafts_rarely_accepted_are_seldom_tried_again(rate, most):
   their drafts are accepted at `rate`. They are tried again now and then, never for good
   (their long-run rates climb back to the prior while they are left out), but on at most
   `most` of rounds 200-400: a tenth of the rounds at 0.1, a fifth at 0.2."""
-  stats = next_choice(adaptive.init_stats(POOL, 1))
+  stats = next_choice(adaptive.init_stats(POOL, 1, COSTS))
   drafted = []
   for _ in range(400):
     tried = int(stats.choice) > 0
@@ -174,33 +174,34 @@ def test_drafts_rarely_accepted_are_seldom_tried_again(rate, most):
 
 
 def test_the_choice_weighs_tokens_against_costs():
-  stats = adaptive.init_stats(POOL, 2)
+  stats = adaptive.init_stats(POOL, 2, COSTS)
   # a(0,) = 0.5 and a(0,0) = 0.4, deeper 0: (0,) gives 1.5 tokens for 1.4, the chain 1.9 for 1.9.
   rates = jnp.asarray([0.5, 0.4, 0.0, 0.0])
   stats = stats.replace(drafted=jnp.broadcast_to(rates, stats.drafted.shape))
   found, both = jnp.zeros((2,), jnp.bool_), jnp.asarray([True, True])
   tokens = adaptive.expected_tokens(stats, POOL, found)
   np.testing.assert_allclose(tokens, [[[1, 1.5, 1.9]] * 2] * 2, rtol=1e-6)
-  assert int(adaptive.choose(stats, POOL, COSTS, found, both)[0]) == 1
+  assert int(adaptive.choose(stats, POOL, found, both)[0]) == 1
   # Costs that make (0,) lose: the root alone, even though (0,) is accepted half the time.
-  costly = ((1.0, 1.0), (1.6, 1.6), (2.5, 2.5))
-  assert int(adaptive.choose(stats, POOL, costly, found, both)[0]) == 0
+  costly = jnp.asarray(((1.0, 1.0), (1.6, 1.6), (2.5, 2.5))).T
+  stats = stats.replace(costs=costly)
+  assert int(adaptive.choose(stats, POOL, found, both)[0]) == 0
   # Finished sequences do not count: one sure sequence left decides the batch alone.
   sure = stats.drafted.at[1].set(1.0)
   stats = stats.replace(drafted=sure)
-  assert int(adaptive.choose(stats, POOL, costly, found, jnp.asarray([False, True]))[0]) == 2
-  assert int(adaptive.choose(stats, POOL, costly, found, jnp.asarray([False, False]))[0]) == 0
+  assert int(adaptive.choose(stats, POOL, found, jnp.asarray([False, True]))[0]) == 2
+  assert int(adaptive.choose(stats, POOL, found, jnp.asarray([False, False]))[0]) == 0
 
 
 def test_a_lookup_match_makes_the_lookup_candidates_pay():
   pool = tree_specs.parse("adaptive:paths:0|lookup:3", 4)
   costs = ((1.0, 1.0), (1.4, 1.4), (1.0, 1.3))
-  stats = adaptive.init_stats(pool, 1)
+  stats = adaptive.init_stats(pool, 1, costs)
   stats = stats.replace(drafted=jnp.full_like(stats.drafted, 0.3))
   active = jnp.asarray([True])
   no_match, match = jnp.asarray([False]), jnp.asarray([True])
-  assert [int(x) for x in adaptive.choose(stats, pool, costs, no_match, active)] == [0, 0]
-  assert [int(x) for x in adaptive.choose(stats, pool, costs, match, active)] == [2, 1]
+  assert [int(x) for x in adaptive.choose(stats, pool, no_match, active)] == [0, 0]
+  assert [int(x) for x in adaptive.choose(stats, pool, match, active)] == [2, 1]
 
 
 def test_a_chain_that_does_not_pay_is_left_out():
@@ -208,20 +209,20 @@ def test_a_chain_that_does_not_pay_is_left_out():
   without its chain (the chain would cost more than it yields), or with it once it pays."""
   pool = tree_specs.parse("adaptive:lookup:3|paths:0+lookup:3", 4)
   costs = ((1.0, 1.0), (1.0, 1.3), (1.2, 1.5))
-  stats = adaptive.init_stats(pool, 1)
+  stats = adaptive.init_stats(pool, 1, costs)
   stats = stats.replace(
     drafted=jnp.full_like(stats.drafted, 0.6), lookup=jnp.full_like(stats.lookup, 0.05)
   )
   active, match = jnp.asarray([True]), jnp.asarray([True])
   # paths:0 alone: 1.6 / 1.2 = 1.33; with the chain 1.75 / 1.5; the chain alone 1.15 / 1.3.
-  assert [int(x) for x in adaptive.choose(stats, pool, costs, match, active)] == [2, 0]
+  assert [int(x) for x in adaptive.choose(stats, pool, match, active)] == [2, 0]
   stats = stats.replace(lookup=jnp.full_like(stats.lookup, 0.5))  # 3.1 / 1.5 against 2.5 / 1.3
-  assert [int(x) for x in adaptive.choose(stats, pool, costs, match, active)] == [2, 1]
+  assert [int(x) for x in adaptive.choose(stats, pool, match, active)] == [2, 1]
   # Nothing pays: the root alone, and no chain.
   stats = stats.replace(
     drafted=jnp.full_like(stats.drafted, 0.1), lookup=jnp.full_like(stats.lookup, 0.05)
   )
-  assert [int(x) for x in adaptive.choose(stats, pool, costs, match, active)] == [0, 0]
+  assert [int(x) for x in adaptive.choose(stats, pool, match, active)] == [0, 0]
 
 
 # --- spelling: trees and drafter files ---------------------------------------------------------

@@ -7,7 +7,7 @@ import jax
 import pytest
 
 from infer import calibration
-from pspec_jax import cpu_kernel, decode, llama, testing
+from pspec_jax import cpu_kernel, decode, llama, prompts, testing
 from pspec_jax.sampling import SamplingConfig
 
 TREE = "adaptive:paths:0|lookup:3"
@@ -24,16 +24,13 @@ def fake_measure(monkeypatch):
   """calibration.measure counting its calls, with made-up times."""
   calls = []
 
-  def measure(target, drafter, pool, batch, ids, cfg=None, repeats=15):
+  def measure(target, drafter, pool, batch, ids, cfg=None, repeats=5):
     calls.append((target.cfg.name, batch, cfg.sampling if cfg else None))
     return {
       c.spec: dict(
         costs=[1.0 + 0.1 * (c.num_nodes - 1), 1.0 + 0.1 * (c.num_nodes + c.lookup - 1)],
         plain_ms=10.0,
-        feed_ms=0.1,
-        draft_ms=1.0,
-        verify_ms=[10.0, 12.0],
-        verify_root_ms=9.0,
+        round_ms=[10.0, 12.0],
         nodes=[c.num_nodes, c.num_nodes + c.lookup],
       )
       for c in pool.candidates
@@ -160,5 +157,21 @@ def test_measured_costs_are_relative_to_a_plain_round(target, temperature):
   assert measured["paths:"]["costs"] == [1.0, 1.0]
   for entry in measured.values():
     assert all(c >= 1.0 for c in entry["costs"]) and entry["plain_ms"] > 0
+    assert all(t > 0 for t in entry["round_ms"])
   assert measured["lookup:3"]["nodes"] == [1, 4]
   assert measured["paths:0"]["nodes"] == [2, 2]
+
+
+@pytest.mark.parametrize(("choice", "chain"), [(0, False), (1, False), (2, False), (2, True)])
+def test_a_pinned_round_runs_its_candidate_every_round(target, choice, chain):
+  """What calibration times: with the choice pinned, every round verifies that candidate (with
+  its chain, if pinned on, where a lookup is found: the prompt twice finds one)."""
+  drafter = testing.drafter_for("pspec", target).with_head(target)
+  cfg = decode.DecodeConfig(tree=TREE, max_new_tokens=40)
+  inputs = (*prompts.pad_batch([PROMPT + PROMPT]), jax.random.key(0))
+  plan = decode.make_plan(cfg, drafter, inputs[0].shape[1])
+  state = decode.init(plan, target, drafter, *inputs)
+  state = calibration._pinned(state, choice, chain, len(plan.tree.candidates))
+  out = calibration._rounds(plan, target, drafter, state, 6)
+  assert out.adapt.chosen.tolist() == [6 * (c == choice) for c in range(3)]
+  assert int(out.adapt.choice) == choice and (chain or not bool(out.adapt.chain))
