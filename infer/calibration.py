@@ -12,15 +12,18 @@ there, measuring what is missing at its first decode (two round programs, compil
 timed); `python -m infer.calibrate` measures on demand. Every measurement is printed and
 stored with its raw times:
 
-  cost(c) = round(c) / plain round
+  cost(c) = round(c) / round(root alone)
 
-where round(c) is a round of the decoding loop with the choice pinned to c (the lookup search,
-the verification of c's nodes, acceptance, the commit, the choice and c's next draft; rounds
-that draft nothing include their share of the feed that takes in the pairs they leave pending)
-and the plain round one of plain decoding, both timed as the loop runs them, several in a row
-updating the state in place. Each candidate has two costs: without and with its prompt-lookup
-chain verified. Summed from a round's passes instead, realized rounds had cost 9% (fixed trees)
-to 25% (adaptive ones) more than calibrated.
+where round(c) is a round of the decoding loop with the choice pinned to c: the lookup search,
+the verification of c's nodes, acceptance, the commit, the choice and c's next draft (a round
+that drafts nothing adds its share of the feed that takes in the pairs such rounds leave
+pending). The root alone is the round every candidate is weighed against; it costs a few
+percent more than a round of plain decoding (also timed and printed), for the adaptive
+machinery. Rounds are timed as the loop runs them: several in a row, the caches updated in
+place, each from the same context (where the chain, if pinned on, finds a match). Each
+candidate has two costs: without and with its prompt-lookup chain verified. Summed from a
+round's passes instead, realized rounds had cost 9% (fixed trees) to 25% (adaptive ones) more
+than calibrated.
 
 A file that cannot be read as a calibration (corrupt, or of another version) is reported in one
 line and measured again; it never stops a decode.
@@ -40,12 +43,14 @@ import pspec_jax
 from infer import measure as measure_lib
 from pspec_jax import adaptive, cpu_kernel, decode
 from pspec_jax import prompts as prompts_lib
+from pspec_jax import propose as propose_lib
 from pspec_jax import rounds as rounds_lib
 
-VERSION = 3  # 3: whole rounds timed with the choice pinned (2: summed from their passes)
+VERSION = 4  # 4: whole rounds from one context, against the root alone (2: summed passes)
 FILE = "round_costs.json"
 # The pinned candidate's cost, and every other option's: only the pinned one is affordable.
 PINNED_IN, PINNED_OUT = 1e-3, 1e9
+ROUNDS = 10  # rounds timed in a row (`_rounds`)
 
 
 def default_path() -> str:
@@ -127,11 +132,30 @@ def _pinned(state, choice: int, chain: bool, num: int):
   return state.replace(adapt=stats)
 
 
+def _start(plan, target, drafter, ids: list[int], batch: int):
+  """The state rounds are timed from: `batch` copies of prompt `ids` twice, prefilled, and
+  the first bonus token made the prompt's first one, so the context ends as the first copy
+  flows into the second and the lookup finds a match (a chain of the prompt)."""
+  inputs = (*prompts_lib.pad_batch([ids + ids] * batch), jax.random.key(0))  # tokens, lengths, key
+  state = decode.init(plan, target, drafter, *inputs)
+  return state.replace(tokens=state.tokens.at[:, 2 * len(ids)].set(ids[0]))
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _rounds(plan, target, drafter, state, count):
-  """`count` rounds of the decoding loop, in place as inside `decode.generate`'s loop (one
-  compilation for any count)."""
-  step = lambda _, s: rounds_lib.round_step(plan, target, drafter, s)
+  """`count` rounds of the decoding loop, each from `state`'s context: the caches' buffers
+  are carried and updated in place, as inside `decode.generate`'s loop, and everything else
+  (the tokens, the lengths, the drafted nodes, the pending pairs) starts over from `state`, so
+  every round is the same round. One compilation for any count."""
+
+  def again(s):
+    out = state.replace(cache=state.cache.replace(k=s.cache.k, v=s.cache.v))
+    if state.drafter_cache is None:
+      return out
+    d = state.drafter_cache.replace(k=s.drafter_cache.k, v=s.drafter_cache.v)
+    return out.replace(drafter_cache=d)
+
+  step = lambda _, s: rounds_lib.round_step(plan, target, drafter, again(s))
   return jax.lax.fori_loop(0, count, step, state)
 
 
@@ -139,39 +163,43 @@ def measure(target, drafter, pool, batch: int, ids: list[int], cfg=None, repeats
   """Raw times (ms per round, medians of `repeats`) and the costs of every candidate of `pool`,
   under the sampling settings and draft rule of DecodeConfig `cfg` (default: greedy).
 
-  Rounds are timed whole, as the decoding loop runs them, `kept + 1` in a row (one pending
-  buffer's worth of rounds that draft nothing): the lookup search, the verification of the
-  candidate's nodes, acceptance, the commit, the choice and the next draft, with the choice
-  pinned to the candidate; and plain rounds the same way. The context is the prompt `ids`
-  twice, so the lookup finds a match and the chain runs where it is pinned on.
+  Rounds are timed whole, as the decoding loop runs them, `ROUNDS` in a row from the same
+  context (`_rounds`), with the choice pinned to each candidate in turn, and so are plain
+  rounds. The context is the prompt `ids` twice and its first token again, so the lookup finds
+  a match and the chain runs where it is pinned on. A round that drafts nothing leaves its
+  pairs pending, and a feed takes them in once per `kept + 1` such rounds: that share of a
+  feed is added to its time. Costs are relative to the root alone's round.
 
   Returns {candidate spec: {"costs": [without, with lookup], ...times}}.
   """
-  inputs = (*prompts_lib.pad_batch([ids + ids] * batch), jax.random.key(0))  # tokens, lengths, key
   drafter = drafter.with_head(target)
   cfg = cfg or decode.DecodeConfig()
-  kept = pool.max_depth + 1
-  count = kept + 1
-  base = dataclasses.replace(cfg, max_new_tokens=(count + 2) * kept, costs=(), mesh=None)
-  width = inputs[0].shape[1]
-  plain = decode.make_plan(base, None, width)
-  state = decode.init(plain, target, None, *inputs)
-  calls = {"plain": (_rounds, plain, target, None, state, count)}
-  plan = decode.make_plan(dataclasses.replace(base, tree=pool.spec), drafter, width)
-  state = decode.init(plan, target, drafter, *inputs)
+  base = dataclasses.replace(cfg, max_new_tokens=pool.max_depth + 8, costs=(), mesh=None)
+  plain = decode.make_plan(base, None, 2 * len(ids))
+  state = _start(plain, target, None, ids, batch)
+  calls = {"plain": (_rounds, plain, target, None, state, ROUNDS)}
+  plan = decode.make_plan(dataclasses.replace(base, tree=pool.spec), drafter, 2 * len(ids))
+  state = _start(plan, target, drafter, ids, batch)
   num = len(pool.candidates)
   for c, cand in enumerate(pool.candidates):
     for chain in (False, True) if cand.lookup else (False,):
-      # One round first, so the timed ones start from nodes drafted for this candidate.
-      ready = _rounds(plan, target, drafter, _pinned(state, c, chain, num), 1)
-      calls[(c, chain)] = (_rounds, plan, target, drafter, ready, count)
-  ms = {name: t / count for name, t in measure_lib.interleaved_ms(calls, repeats).items()}
+      calls[(c, chain)] = (_rounds, plan, target, drafter, _pinned(state, c, chain, num), ROUNDS)
+  kept = pool.max_depth + 1
+  if state.pending is not None:  # a buffer's worth of pending pairs, taken in by one feed
+    pending = state.pending
+    full = pending.replace(count=jnp.full_like(pending.count, pending.tokens.shape[1]))
+    calls["feed"] = (jax.jit(propose_lib.feed), drafter, target, state.drafter_cache, full)
+  ms = measure_lib.interleaved_ms(calls, repeats)
+  ms = {name: t if name == "feed" else t / ROUNDS for name, t in ms.items()}
+  feed_ms = ms.get("feed", 0.0) / (kept + 1)
   out = {}
+  root_ms = ms[(0, False)] + feed_ms  # the root alone: the adaptive round to beat
   for c, cand in enumerate(pool.candidates):
-    round_ms = [ms.get((c, chain), ms[(c, False)]) for chain in (False, True)]
+    share = 0.0 if cand.paths else feed_ms
+    round_ms = [ms.get((c, chain), ms[(c, False)]) + share for chain in (False, True)]
     n0, n1 = adaptive.verified_nodes(pool)[c]
     out[cand.spec] = dict(
-      costs=[1.0 if c == 0 else max(1.0, t / ms["plain"]) for t in round_ms],
+      costs=[1.0 if c == 0 else max(1.0, t / root_ms) for t in round_ms],
       plain_ms=ms["plain"],
       round_ms=round_ms,
       nodes=[n0, n1],

@@ -4,10 +4,12 @@ import json
 import types
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from infer import calibration
-from pspec_jax import cpu_kernel, decode, llama, prompts, testing
+from pspec_jax import cpu_kernel, decode, llama, testing
 from pspec_jax.sampling import SamplingConfig
 
 TREE = "adaptive:paths:0|lookup:3"
@@ -163,15 +165,21 @@ def test_measured_costs_are_relative_to_a_plain_round(target, temperature):
 
 
 @pytest.mark.parametrize(("choice", "chain"), [(0, False), (1, False), (2, False), (2, True)])
-def test_a_pinned_round_runs_its_candidate_every_round(target, choice, chain):
-  """What calibration times: with the choice pinned, every round verifies that candidate (with
-  its chain, if pinned on, where a lookup is found: the prompt twice finds one)."""
+def test_pinned_rounds_run_their_candidate_from_the_same_context(target, choice, chain):
+  """What calibration times: with the choice pinned, a round verifies that candidate (with its
+  chain, if pinned on: the context finds a match) and drafts for it again; every round starts
+  from the same context."""
   drafter = testing.drafter_for("pspec", target).with_head(target)
-  cfg = decode.DecodeConfig(tree=TREE, max_new_tokens=40)
-  inputs = (*prompts.pad_batch([PROMPT + PROMPT]), jax.random.key(0))
-  plan = decode.make_plan(cfg, drafter, inputs[0].shape[1])
-  state = decode.init(plan, target, drafter, *inputs)
-  state = calibration._pinned(state, choice, chain, len(plan.tree.candidates))
-  out = calibration._rounds(plan, target, drafter, state, 6)
-  assert out.adapt.chosen.tolist() == [6 * (c == choice) for c in range(3)]
-  assert int(out.adapt.choice) == choice and (chain or not bool(out.adapt.chain))
+  cfg = decode.DecodeConfig(tree=TREE, max_new_tokens=12)
+  plan = decode.make_plan(cfg, drafter, 2 * len(PROMPT))
+  start = calibration._pinned(
+    calibration._start(plan, target, drafter, PROMPT, 1), choice, chain, len(plan.tree.candidates)
+  )
+  once, thrice = (calibration._rounds(plan, target, drafter, start, n) for n in (1, 3))
+  assert once.adapt.chosen.tolist() == [int(c == choice) for c in range(3)]
+  assert int(once.adapt.choice) == choice  # and drafted for again
+  found = jnp.any(once.adapt.lookup != start.adapt.lookup)  # the chain was verified
+  assert bool(found) == chain
+  for a, b in zip(jax.tree.leaves(once), jax.tree.leaves(thrice), strict=True):
+    if not jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+      np.testing.assert_array_equal(a, b)  # the same round, three times
