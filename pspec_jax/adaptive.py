@@ -11,8 +11,8 @@ where a(u) is a running estimate of how often drafted node u (a rank path) ends 
 accepted path, and l(j) the same for the j-th node of the prompt-lookup chain, in rounds where
 the context repeats (a lookup exists) and the candidate has a chain. The loop verifies the
 candidate with the largest tokens(c) / cost(c), summed over the active sequences of the batch
-(one tree serves the batch); cost(c) is a round with c relative to a plain round (the root
-alone, cost 1), measured once per machine (`infer.calibration`) and passed in as
+(one tree serves the batch); cost(c) is a round with c relative to one with the root alone
+(cost 1), measured once per machine (`infer.calibration`) and passed in as
 `DecodeConfig.costs`. A candidate's lookup chain is a choice of its own: where a lookup exists,
 c is weighed with its chain (tokens and cost with lookup) and without it (as if none were found),
 so a chain that is found often but rarely accepted (chat text) is left out rather than paid for

@@ -37,8 +37,8 @@ class DecodeConfig:
       a gate +min:P and +lookup:L; or adaptive, adaptive:A|B|...); "" is the drafter's for
       this temperature (`DrafterConfig.tree_for`).
     costs: an adaptive tree's cost of a round with each candidate, the root alone first (1.0),
-      relative to a plain round: (lookup chain left out, lookup chain verified) pairs, as
-      `infer.calibration` measures them; () is `adaptive.default_costs`' guess.
+      relative to a round with the root alone: (lookup chain left out, lookup chain verified)
+      pairs, as `infer.calibration` measures them; () is `adaptive.default_costs`' guess.
     mesh: shard the batch and the caches over this mesh (parameters: `decode.shard`); None is
       one device.
     drafts: how a drafter with a distribution (pspec, eagle, medusa) drafts when sampling
