@@ -210,7 +210,7 @@ def measure(target, drafter, pool, batch: int, ids: list[int], cfg=None, repeats
 def explain(key: str, entries: dict[str, dict]) -> str:
   """A table of the candidates' costs and the times they come from."""
   lines = [
-    f"Round costs on {key} (a plain round is 1; from raw medians, ms):",
+    f"Round costs on {key} (a round with the root alone is 1; from raw medians, ms):",
     "| candidate | nodes | cost | cost with lookup | round ms | plain round ms |",
     "|---|---|---|---|---|---|",
   ]

@@ -57,7 +57,6 @@ __all__ = [
   "init_stats",
   "observe",
   "reachable",
-  "relative_costs",
   "union_nodes",
   "verified_nodes",
 ]
@@ -67,7 +66,7 @@ DRIFT = 0.1  # per round, how far an unverified node's estimate moves back towar
 LONG_RUN = 0.05  # weight of the newest verified round in a node's long-run rate
 LONG_DRIFT = 0.005  # per round, how far an unverified node's long-run rate moves to its prior
 LOOKUP_PRIOR = 0.6  # prior of lookup node j: LOOKUP_PRIOR ** (j + 1)
-# The cost model of `default_costs` (no calibration): a plain round is 1.
+# The cost model of `default_costs` (no calibration): a round with the root alone is 1.
 DEFAULT_NODE_COST = 0.1  # each verified node past the root
 DEFAULT_DRAFT_COST = 0.1  # a draft pass (eagle: per level)
 
@@ -245,7 +244,7 @@ def observe(
 
 
 def default_costs(pool: tree_lib.Tree, kind: str) -> tuple[tuple[float, float], ...]:
-  """An uncalibrated guess of each candidate's cost (a plain round is 1): `DEFAULT_NODE_COST`
+  """An uncalibrated guess of each candidate's cost (the root alone is 1): `DEFAULT_NODE_COST`
   per verified node past the root and `DEFAULT_DRAFT_COST` per draft pass (eagle drafts one
   pass per level). `infer.calibration` measures the real ones."""
   out = []
@@ -253,26 +252,6 @@ def default_costs(pool: tree_lib.Tree, kind: str) -> tuple[tuple[float, float], 
     passes = cand.depth if kind == "eagle" else min(cand.depth, 1)
     draft = 0.0 if kind == "pld" else DEFAULT_DRAFT_COST * passes
     out.append(tuple(1.0 + draft + DEFAULT_NODE_COST * (n - 1) for n in (n0, n1)))
-  return tuple(out)
-
-
-def relative_costs(
-  pool: tree_lib.Tree, plain_ms: float, verify_ms: dict[int, float], draft_ms: list[float]
-) -> tuple[tuple[float, float], ...]:
-  """Each candidate's cost from measured times: a plain round, plus the verification of its
-  nodes beyond the root's, plus its draft pass, over the plain round; never below 1 (the root
-  alone is 1 and wins ties).
-
-  Args:
-    pool: the adaptive tree.
-    plain_ms: a plain (root alone) round.
-    verify_ms: a verification pass per node count, 1 included.
-    draft_ms: each candidate's draft pass (0 for the root alone).
-  """
-  out = []
-  for c, (n0, n1) in enumerate(verified_nodes(pool)):
-    extra = [verify_ms[n] - verify_ms[1] + draft_ms[c] for n in (n0, n1)]
-    out.append(tuple(1.0 if c == 0 else max(1.0, 1.0 + e / plain_ms) for e in extra))
   return tuple(out)
 
 

@@ -148,7 +148,7 @@ def test_a_fixed_tree_needs_no_calibration(target, tmp_path, fake_measure):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_measured_costs_are_relative_to_a_plain_round(target, temperature):
+def test_measured_costs_are_relative_to_the_root_alone(target, temperature):
   """Greedy rounds, and sampled rounds with drafts drawn from q, timed for real."""
   cfg = decode.DecodeConfig(tree=TREE, sampling=SamplingConfig(temperature=temperature))
   pool = decode.resolve_tree(cfg, testing.drafter_for("pspec", target))
