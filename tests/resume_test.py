@@ -103,3 +103,34 @@ def test_when_no_checkpoint_restores_nothing_is_moved(run):
 def test_an_empty_workdir_restores_nothing(tmp_path):
   restored = resume.restore_newest(_manager(tmp_path / "checkpoints"), _abstract())
   assert (restored.state, restored.step, restored.skipped) == (None, None, [])
+
+
+def _raised_in(filename: str) -> Exception:
+  """An exception whose traceback runs through a file named `filename`."""
+  namespace = {}
+  exec(
+    compile("def fail():\n  raise ValueError('OUT_OF_RANGE: a read')\n", filename, "exec"),
+    namespace,
+  )
+  try:
+    namespace["fail"]()
+  except ValueError as e:
+    return e
+
+
+@pytest.mark.parametrize("what", ["Task", "_GatheringFuture"])
+def test_abandoned_orbax_reads_are_not_echoed_but_other_errors_are(what, caplog):
+  """After a failed restore, orbax's abandoned reads fail again in its event-loop thread and
+  asyncio logs each one ("... exception was never retrieved") with a TensorStore spec
+  hundreds of lines long. Those are dropped; the same message from anywhere else still
+  prints."""
+  import logging
+
+  resume._silence_abandoned_orbax_reads()
+  log = logging.getLogger("asyncio")
+  message = f"{what} exception was never retrieved\nfuture: <{what} finished exception=...>"
+  for filename in ("site-packages/orbax/checkpoint/_src/serialization.py", "my_program.py"):
+    error = _raised_in(filename)
+    log.error(message, exc_info=(type(error), error, error.__traceback__))
+  assert len(caplog.records) == 1
+  assert "my_program.py" in caplog.text and "orbax" not in caplog.text

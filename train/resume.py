@@ -42,9 +42,10 @@ def _reason(error: Exception) -> str:
 def _silence_abandoned_orbax_reads() -> None:
   """A restore that fails part-way leaves orbax's other reads behind. They fail again later,
   in orbax's event-loop thread, and each prints a TensorStore spec hundreds of lines long:
-  coroutines "ignored" when collected, tasks whose "exception was never retrieved", callbacks
-  onto the closed loop. The failure itself is reported in one line (`_reason`), so for the
-  rest of the process those echoes are dropped; every other error still prints.
+  coroutines "ignored" when collected, tasks and gathering futures whose "exception was never
+  retrieved", callbacks onto the closed loop. The failure itself is reported in one line
+  (`_reason`), so for the rest of the process those echoes are dropped; every other error
+  still prints.
 
   Installed before the first restore, not after a failure: an abandoned read can fail on
   orbax's closed loop before the restore's exception reaches the caller."""
@@ -66,8 +67,14 @@ def _silence_abandoned_orbax_reads() -> None:
       previous(unraisable)
 
   def keep(record: logging.LogRecord) -> bool:
-    message = record.getMessage()  # names the task's coroutine and where it is defined
-    return not (message.startswith("Task exception was never retrieved") and from_orbax(message))
+    # "Task exception ..." names the task's coroutine and where it is defined; for a
+    # "_GatheringFuture exception ..." only the traceback says where it came from.
+    message = record.getMessage()
+    if "exception was never retrieved" not in message:
+      return True
+    if record.exc_info and record.exc_info[1] is not None:
+      message += "".join(traceback.format_exception(record.exc_info[1]))
+    return not from_orbax(message)
 
   hook.drops_orbax_echoes = True
   sys.unraisablehook = hook
