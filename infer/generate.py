@@ -51,6 +51,8 @@ def main() -> None:
     tree_specs.parse(FLAGS.tree, FLAGS.num_draft or 8)
   if FLAGS.num_draft is not None and FLAGS.num_draft < 1:
     raise ValueError(f"--num_draft must be >= 1, got {FLAGS.num_draft}")
+  if FLAGS.method == "none":
+    check_num_draft(FLAGS.num_draft, None, None)
   mesh = sharding.make_mesh(**sharding.parse_mesh(FLAGS.mesh)) if FLAGS.mesh else None
   # The drafter's flags, checked before the target's weights are read.
   drafter_files.drafter_source(

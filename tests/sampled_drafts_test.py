@@ -269,6 +269,10 @@ def oracle_proposer(sampling):
 
 
 def sample_many(target, drafter, cfg, batch):
+  """NUM_SAMPLES continuations of PROMPT, decoded `batch` at a time (the sequences of one batch
+  are independent samples: each one's tokens follow the target given its own prefix, whatever
+  the others'). Batches of one or a few are vmapped over keys; there a `lax.switch` runs every
+  branch, so trees that switch (adaptive, gated, lookup) sample faster in one large batch."""
   tokens, lengths = testing.padded([PROMPT] * batch, width=8)
 
   @jax.jit
@@ -277,7 +281,7 @@ def sample_many(target, drafter, cfg, batch):
     return out.tokens, out.tau, out.accepted_per_depth[:, 0] / jnp.maximum(out.rounds, 1)
 
   keys = jax.random.split(jax.random.key(123), NUM_SAMPLES // batch)
-  tokens, tau, depth1 = jax.lax.map(one, keys, batch_size=1000 // batch)
+  tokens, tau, depth1 = jax.lax.map(one, keys, batch_size=max(1, 1000 // batch))
   return np.asarray(tokens).reshape(-1, LENGTH), float(tau.mean()), float(depth1.mean())
 
 
@@ -310,8 +314,8 @@ T1_TOP_K_P = SamplingConfig(temperature=1.0, top_k=4, top_p=0.9)
     ("eagle", "paths:0/2/0.0/2.1", T07_TOP_P, 1),  # skipped ranks: siblings take draws 0, 1
     ("eagle", "dynamic:6", T1_TOP_K_P, 4),
     ("medusa", "dynamic:5", T07_TOP_P, 4),
-    ("medusa", "paths:0/1/0.0+min:0.05+lookup:2", T1, 1),
-    ("pspec", "dynamic:5+lookup:2", T07_TOP_K, 1),
+    ("medusa", "paths:0/1/0.0+min:0.05+lookup:2", T1, 1000),
+    ("pspec", "dynamic:5+lookup:2", T07_TOP_K, 1000),
   ],
 )
 def test_drafts_from_a_poor_drafter_keep_the_target_distribution(kind, tree, sampling, batch):
@@ -333,7 +337,7 @@ FAVOUR = {1: ((1, 1), (1, 1), (2, 2)), 2: ((1, 1), (2, 2), (1, 1))}
 
 @pytest.mark.parametrize(
   "kind,favoured,sampling,batch",
-  [("eagle", 1, T1, 4), ("pspec", 2, T07_TOP_K, 1), ("medusa", 1, T07_TOP_P, 4)],
+  [("eagle", 1, T1, 1000), ("pspec", 2, T07_TOP_K, 1000), ("medusa", 1, T07_TOP_P, 1000)],
 )
 def test_adaptive_rounds_drawn_from_q_keep_the_target_distribution(kind, favoured, sampling, batch):
   target = testing.make_target(2.0, seed=3, cfg=SAMPLING_TINY)

@@ -247,35 +247,39 @@ def exact_joint(target, prompt, length):
   return np.exp(np.asarray(sum(steps), np.float64)), seqs
 
 
-def sample_many(target, drafter, prompt, cfg):
-  tokens, lengths = testing.padded([prompt], width=8)
+def sample_many(target, drafter, prompt, cfg, batch):
+  """NUM_SAMPLES continuations of `prompt`, decoded `batch` at a time (the sequences of one
+  batch are independent samples: each one's tokens follow the target given its own prefix,
+  whatever the others'). Batches of one are vmapped over keys; there a `lax.switch` runs every
+  branch, so trees that switch (adaptive, gated, lookup) sample faster in one large batch."""
+  tokens, lengths = testing.padded([prompt] * batch, width=8)
 
   @jax.jit
   def one(key):
     out = decode.generate(target, tokens, lengths, key, cfg, drafter)
-    return out.tokens[0], out.tau[0]
+    return out.tokens, out.tau
 
-  keys = jax.random.split(jax.random.key(123), NUM_SAMPLES)
-  tokens, tau = jax.lax.map(one, keys, batch_size=1000)
-  return np.asarray(tokens), float(tau.mean())
+  keys = jax.random.split(jax.random.key(123), NUM_SAMPLES // batch)
+  tokens, tau = jax.lax.map(one, keys, batch_size=max(1, 1000 // batch))
+  return np.asarray(tokens).reshape(NUM_SAMPLES, -1), float(tau.mean())
 
 
 @pytest.mark.parametrize(
-  "kind,tree,options",
+  "kind,tree,options,batch",
   [
-    (None, "", {}),
-    ("pspec", "chain", {}),
-    ("pspec", "sparse8", {}),
-    ("medusa", "dynamic:5", {}),
-    ("pld", "chain", {}),
-    ("pspec", "paths:0+lookup:3", {}),
-    ("eagle", "sparse8+min:0.03+lookup:2", {}),  # depth-2 confidences spread around 0.03
-    ("pspec", "adaptive:paths:0/1|chain+lookup:2|lookup:3", {}),
+    (None, "", {}, 1),
+    ("pspec", "chain", {}, 1),
+    ("pspec", "sparse8", {}, 1),
+    ("medusa", "dynamic:5", {}, 1),
+    ("pld", "chain", {}, 1),
+    ("pspec", "paths:0+lookup:3", {}, 1000),
+    ("eagle", "sparse8+min:0.03+lookup:2", {}, 1000),  # depth-2 confidences spread around 0.03
+    ("pspec", "adaptive:paths:0/1|chain+lookup:2|lookup:3", {}, 1000),
     # Fused target layers (and a deeper drafter with one shared mask vector).
-    ("pspec", "sparse8", dict(feature_layers=(1, 0), num_layers=2, mask_input="shared")),
+    ("pspec", "sparse8", dict(feature_layers=(1, 0), num_layers=2, mask_input="shared"), 1000),
   ],
 )
-def test_speculative_sampling_matches_the_target_distribution(kind, tree, options):
+def test_speculative_sampling_matches_the_target_distribution(kind, tree, options, batch):
   target = testing.make_target(2.0, seed=3, cfg=SAMPLING_TINY)
   prompt = [1, 2, 1, 2, 1]
   length = 4
@@ -285,7 +289,7 @@ def test_speculative_sampling_matches_the_target_distribution(kind, tree, option
   drafter = None
   if kind is not None:
     drafter = testing.drafter_for(kind, target, num_draft=3, seed=7, **options)
-  samples, tau = sample_many(target, drafter, prompt, cfg)
+  samples, tau = sample_many(target, drafter, prompt, cfg, batch)
   assert tau > 1.1 if drafter else tau == 1  # drafts do get accepted
   probs, seqs = exact_joint(target, prompt, length)
   v = target.cfg.vocab_size
