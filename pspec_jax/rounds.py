@@ -26,7 +26,7 @@ from flax import struct
 
 from pspec_jax import adaptive, sharding
 from pspec_jax import tree as tree_lib
-from pspec_jax.accept import accept
+from pspec_jax.accept import accept, bonus_noise
 from pspec_jax.arrays import take_rows
 from pspec_jax.decode_plan import Plan
 from pspec_jax.drafter import Drafter, read_target
@@ -308,6 +308,9 @@ def _round_adaptive(plan, target, drafter, state) -> tuple[DecodeState, Pairs]:
     lookup = chains, found & state.adapt.chain  # a chain left out this round is not found
   width = plan.max_depth + 1
   nodes_C = adaptive.union_nodes(pool)
+  noise = None  # the bonus draw's noise, drawn out here (`accept.bonus_noise`)
+  if not plan.sampling.greedy:
+    noise = bonus_noise(_round_key(state), (batch, target.cfg.vocab_size))
 
   def pad(x, axis):
     return jnp.pad(x, [(0, width - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)])
@@ -323,7 +326,7 @@ def _round_adaptive(plan, target, drafter, state) -> tuple[DecodeState, Pairs]:
     if fixed.drawn:
       s = s.replace(draft_logq=state.draft_logq[:, _draw_rows(plan.kind, pool, cand)])
     verified = verify(fixed, target, drafter, s, lookup)
-    accepted = accept_path(fixed, s, verified)
+    accepted = accept_path(fixed, s, verified, noise)
     on = _on_path(verified, accepted)
     on = on.replace(
       tokens=pad(on.tokens, 1),
@@ -348,9 +351,14 @@ def _spread(x: jax.Array, axis: int, index: np.ndarray, size: int) -> jax.Array:
   return jnp.zeros(shape, x.dtype).at[where].set(x)
 
 
-def accept_path(plan: Plan, state: DecodeState, verified: Verified):
+def _round_key(state: DecodeState) -> jax.Array:
+  return jax.random.fold_in(state.key, state.step + 1)
+
+
+def accept_path(plan: Plan, state: DecodeState, verified: Verified, noise_BV=None):
   """Step 3: every sequence's accepted path [B, P+1], drafts accepted [B] and bonus token [B],
-  with this round's key (the choice `commit` makes)."""
+  with this round's key (the choice `commit` makes); `noise_BV`: its bonus draw's noise, if
+  drawn already (`accept.bonus_noise`)."""
   drafts = None
   if verified.node_table is not None:
     drafts = (verified.node_table, verified.draft_logq)
@@ -359,9 +367,10 @@ def accept_path(plan: Plan, state: DecodeState, verified: Verified):
     verified.node_tokens,
     verified.tree,
     plan.max_depth,
-    jax.random.fold_in(state.key, state.step + 1),
+    _round_key(state),
     plan.sampling,
     drafts,
+    noise_BV,
   )
 
 
