@@ -34,7 +34,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pspec_jax.sampling import SamplingConfig, argmax, categorical, filtered_logits
+from pspec_jax.sampling import SamplingConfig, argmax, filtered_logits
 from pspec_jax.tree import TreeArrays
 
 __all__ = ["accept", "bonus_noise"]
@@ -96,11 +96,12 @@ def bonus_noise(key: jax.Array, shape: tuple[int, int]) -> jax.Array:
   return jax.random.gumbel(jax.random.split(key)[1], shape, jnp.float32)
 
 
-def _draw(key: jax.Array, logits_BV: jax.Array, noise_BV: jax.Array | None) -> jax.Array:
-  """`categorical(key, logits_BV)`, with its noise given if drawn already (`bonus_noise`)."""
+def _bonus(key: jax.Array, logits_BV: jax.Array, noise_BV: jax.Array | None) -> jax.Array:
+  """The bonus token: a Gumbel-max draw from float32 `logits_BV` with `bonus_noise(key)`,
+  or with `noise_BV` if drawn already."""
   if noise_BV is None:
-    return categorical(key, logits_BV)
-  return argmax(logits_BV + noise_BV.astype(logits_BV.dtype))
+    noise_BV = bonus_noise(key, logits_BV.shape)
+  return argmax(logits_BV + noise_BV)
 
 
 def greedy_walk(best_M, tokens_M, children_MC, max_depth: int) -> jax.Array:
@@ -154,7 +155,7 @@ def sampling_walk(logits_BMV, node_tokens_BM, tree, max_depth, key, cfg, noise_B
   """
   batch = logits_BMV.shape[0]
   num_slots = tree.children.shape[-1]
-  walk_key, bonus_key = jax.random.split(key)
+  walk_key = jax.random.split(key)[0]  # [1] is the bonus draw's (`bonus_noise`)
   uniform_BPC = jax.random.uniform(walk_key, (batch, max_depth, num_slots))
 
   def walk(logits_MV, tokens_M, children_MC, uniform_PC):
@@ -205,7 +206,7 @@ def sampling_walk(logits_BMV, node_tokens_BM, tree, max_depth, key, cfg, noise_B
     return _filled_path(path, node, depth), residual
 
   path_BP1, residual_BV = jax.vmap(walk)(logits_BMV, node_tokens_BM, tree.children, uniform_BPC)
-  return path_BP1, _draw(bonus_key, residual_BV, noise_BV)
+  return path_BP1, _bonus(key, residual_BV, noise_BV)
 
 
 def sampled_walk(
@@ -232,7 +233,7 @@ def sampled_walk(
   Unlike `sampling_walk`, the residual is a vocabulary-sized vector: r - pi has no short form.
   """
   batch = logits_BMV.shape[0]
-  walk_key, bonus_key = jax.random.split(key)
+  walk_key = jax.random.split(key)[0]  # [1] is the bonus draw's (`bonus_noise`)
   uniform_BPC = jax.random.uniform(walk_key, (batch, max_depth, tree.children.shape[-1]))
   path_BP1, log_residual_BV = recursive_rejection(
     logits_BMV,
@@ -244,7 +245,7 @@ def sampled_walk(
     uniform_BPC,
     cfg,
   )
-  return path_BP1, _draw(bonus_key, log_residual_BV, noise_BV)
+  return path_BP1, _bonus(key, log_residual_BV, noise_BV)
 
 
 def recursive_rejection(
