@@ -25,6 +25,16 @@ candidate has two costs: without and with its prompt-lookup chain verified. Summ
 round's passes instead, realized rounds had cost 9% (fixed trees) to 25% (adaptive ones) more
 than calibrated.
 
+The candidates and the root alone are timed in turns, `REPEATS` of them, and a cost is the
+median over turns of the candidate's time against the root alone's in the same turn. On a
+shared 2-core machine ten root-alone rounds took 306 to 482 ms within one calibration, and
+costs taken as a ratio of medians over 5 turns came out 1.27 in one sitting and 1.37 in
+another for the same candidate. That was enough to turn the loop's choice at T = 1, where the
+candidates' tokens per cost lie within a few percent of each other. Paired over 15 turns, the
+same costs in three calibrations of one sitting spread by 1-5% (1.31-1.33 and 1.33-1.40 for
+the two drafted candidates asked about), and matched the candidates' rounds timed inside whole
+decodes with the choice pinned (1.27 and 1.36).
+
 A file that cannot be read as a calibration (corrupt, or of another version) is reported in one
 line and measured again; it never stops a decode.
 """
@@ -46,13 +56,15 @@ from pspec_jax import prompts as prompts_lib
 from pspec_jax import propose as propose_lib
 from pspec_jax import rounds as rounds_lib
 
+# 6: costs from paired turns (`measure.paired_ratio`), 15 of them;
 # 5: an adaptive round's bonus noise drawn before its switch (root-alone rounds 4% cheaper at
 # T = 1); 4: whole rounds from one context, against the root alone; 2: summed passes.
-VERSION = 5
+VERSION = 6
 FILE = "round_costs.json"
 # The pinned candidate's cost, and every other option's: only the pinned one is affordable.
 PINNED_IN, PINNED_OUT = 1e-3, 1e9
 ROUNDS = 10  # rounds timed in a row (`_rounds`)
+REPEATS = 15  # turns timed (`measure.interleaved_times`)
 
 
 def default_path() -> str:
@@ -161,7 +173,9 @@ def _rounds(plan, target, drafter, state, count):
   return jax.lax.fori_loop(0, count, step, state)
 
 
-def measure(target, drafter, pool, batch: int, ids: list[int], cfg=None, repeats: int = 5) -> dict:
+def measure(
+  target, drafter, pool, batch: int, ids: list[int], cfg=None, repeats: int = REPEATS
+) -> dict:
   """Raw times (ms per round, medians of `repeats`) and the costs of every candidate of `pool`,
   under the sampling settings and draft rule of DecodeConfig `cfg` (default: greedy).
 
@@ -191,19 +205,20 @@ def measure(target, drafter, pool, batch: int, ids: list[int], cfg=None, repeats
     pending = state.pending
     full = pending.replace(count=jnp.full_like(pending.count, pending.tokens.shape[1]))
     calls["feed"] = (jax.jit(propose_lib.feed), drafter, target, state.drafter_cache, full)
-  ms = measure_lib.interleaved_ms(calls, repeats)
-  ms = {name: t if name == "feed" else t / ROUNDS for name, t in ms.items()}
-  feed_ms = ms.get("feed", 0.0) / (kept + 1)
+  times = measure_lib.interleaved_times(calls, repeats)
+  feed = np.asarray(times.pop("feed", [0.0] * repeats)) / (kept + 1)  # per round, per turn
+  rounds = {name: np.asarray(t) / ROUNDS for name, t in times.items()}  # ms per round, per turn
+  root = rounds[(0, False)] + feed  # the root alone: the adaptive round to beat
   out = {}
-  root_ms = ms[(0, False)] + feed_ms  # the root alone: the adaptive round to beat
   for c, cand in enumerate(pool.candidates):
-    share = 0.0 if cand.paths else feed_ms
-    round_ms = [ms.get((c, chain), ms[(c, False)]) + share for chain in (False, True)]
+    share = 0.0 if cand.paths else feed
+    per_turn = [rounds.get((c, chain), rounds[(c, False)]) + share for chain in (False, True)]
     n0, n1 = adaptive.verified_nodes(pool)[c]
+    ratios = [measure_lib.paired_ratio(list(t), list(root)) for t in per_turn]
     out[cand.spec] = dict(
-      costs=[1.0 if c == 0 else max(1.0, t / root_ms) for t in round_ms],
-      plain_ms=ms["plain"],
-      round_ms=round_ms,
+      costs=[1.0 if c == 0 else max(1.0, r) for r in ratios],
+      plain_ms=float(np.median(rounds["plain"])),
+      round_ms=[float(np.median(t)) for t in per_turn],
       nodes=[n0, n1],
     )
   return out
@@ -212,7 +227,7 @@ def measure(target, drafter, pool, batch: int, ids: list[int], cfg=None, repeats
 def explain(key: str, entries: dict[str, dict]) -> str:
   """A table of the candidates' costs and the times they come from."""
   lines = [
-    f"Round costs on {key} (a round with the root alone is 1; from raw medians, ms):",
+    f"Round costs on {key} (a round with the root alone is 1; round times are medians, ms):",
     "| candidate | nodes | cost | cost with lookup | round ms | plain round ms |",
     "|---|---|---|---|---|---|",
   ]

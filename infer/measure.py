@@ -41,13 +41,27 @@ def median_ms(fn, *args, repeats: int) -> float:
 def interleaved_ms(calls: dict, repeats: int) -> dict:
   """Median ms per named call {name: (fn, *args)}: each is called once (compiling it), then
   all are timed in turns, `repeats` times, so drift on the machine hits them alike."""
+  times = interleaved_times(calls, repeats)
+  return {name: statistics.median(t) for name, t in times.items()}
+
+
+def interleaved_times(calls: dict, repeats: int) -> dict[str, list[float]]:
+  """`interleaved_ms`' every time, in ms per named call: turn r's time is item r of each list,
+  so times of one turn can be compared with each other (`paired_ratio`)."""
   for fn, *args in calls.values():
     timed(fn, *args)
   times = {name: [] for name in calls}
   for _ in range(repeats):
     for name, (fn, *args) in calls.items():
-      times[name].append(timed(fn, *args)[1])
-  return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+      times[name].append(1e3 * timed(fn, *args)[1])
+  return times
+
+
+def paired_ratio(times: list[float], base: list[float]) -> float:
+  """The median over turns of times[r] / base[r], both timed in turn r (`interleaved_times`).
+  On a shared machine the speed drifts by tens of percent within a minute; each turn's ratio
+  is taken at one speed, and so is steadier than a ratio of the two medians."""
+  return statistics.median(t / b for t, b in zip(times, base, strict=True))
 
 
 def encode_prompts(

@@ -183,3 +183,28 @@ def test_pinned_rounds_run_their_candidate_from_the_same_context(target, choice,
   for a, b in zip(jax.tree.leaves(once), jax.tree.leaves(thrice), strict=True):
     if not jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
       np.testing.assert_array_equal(a, b)  # the same round, three times
+
+
+def test_a_cost_compares_rounds_timed_in_the_same_turn(target, monkeypatch):
+  """The machine slows down in turn 3, between the root alone's time and the others': each
+  turn's ratio is 1.2 (1.5 with the chain), where the ratio of medians would be 2.4."""
+  root = [10.0, 10.0, 10.0, 20.0, 20.0]
+  later = [10.0, 10.0, 20.0, 20.0, 20.0]
+
+  def times(calls, repeats):
+    assert repeats == 5
+    out = {name: [1.2 * t for t in later] for name in calls}
+    out[(0, False)] = root
+    out[(2, True)] = [1.5 * t for t in later]
+    out["feed"] = [0.0] * repeats
+    return {name: [calibration.ROUNDS * t for t in ts] for name, ts in out.items()}
+
+  monkeypatch.setattr(calibration.measure_lib, "interleaved_times", times)
+  drafter = testing.drafter_for("pspec", target)
+  cfg = decode.DecodeConfig(tree=TREE)
+  pool = decode.resolve_tree(cfg, drafter)
+  measured = calibration.measure(target, drafter, pool, 1, PROMPT, cfg, repeats=5)
+  assert measured["paths:"]["costs"] == [1.0, 1.0]
+  np.testing.assert_allclose(measured["paths:0"]["costs"], [1.2, 1.2])
+  np.testing.assert_allclose(measured["lookup:3"]["costs"], [1.2, 1.5])
+  np.testing.assert_allclose(measured["lookup:3"]["round_ms"], [24.0, 30.0])  # medians
