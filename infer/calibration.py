@@ -214,7 +214,7 @@ def measure(
     share = 0.0 if cand.paths else feed
     per_turn = [rounds.get((c, chain), rounds[(c, False)]) + share for chain in (False, True)]
     n0, n1 = adaptive.verified_nodes(pool)[c]
-    ratios = [measure_lib.paired_ratio(list(t), list(root)) for t in per_turn]
+    ratios = [measure_lib.paired_ratio(t, root) for t in per_turn]
     out[cand.spec] = dict(
       costs=[1.0 if c == 0 else max(1.0, r) for r in ratios],
       plain_ms=float(np.median(rounds["plain"])),

@@ -57,8 +57,9 @@ def interleaved_times(calls: dict, repeats: int) -> dict[str, list[float]]:
   return times
 
 
-def paired_ratio(times: list[float], base: list[float]) -> float:
-  """The median over turns of times[r] / base[r], both timed in turn r (`interleaved_times`).
+def paired_ratio(times, base) -> float:
+  """The median over turns of times[r] / base[r] (sequences of the same length), both timed in
+  turn r (`interleaved_times`).
   On a shared machine the speed drifts by tens of percent within a minute; each turn's ratio
   is taken at one speed, and so is steadier than a ratio of the two medians."""
   return statistics.median(t / b for t, b in zip(times, base, strict=True))
