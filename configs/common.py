@@ -155,7 +155,12 @@ def training_config(
   set_hardware(c, hardware)
   c.selfdistill = ml_collections.ConfigDict(
     dict(
+      # A conversation source (as data.source), or "magpie": the target writes the user
+      # turns itself (sampled after the chat template's user header), then answers them.
       source="sharegpt",
+      question_temperature=1.0,
+      question_top_p=0.95,
+      max_question_tokens=128,
       out=selfdistill_dir(checkpoint),
       num_conversations=20000,
       max_prompt_tokens=512,

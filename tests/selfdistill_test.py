@@ -199,3 +199,37 @@ def test_batches_pad_to_their_bucket_or_with_one_width_to_the_prompt_cap():
   wide, wide_lengths = selfdistill.batch_prompts(prompts, 0, s)
   assert wide.shape == (4, 256) and wide_lengths.tolist() == lengths.tolist()
   assert (wide[:, :64] == tokens).all() and not wide[:, 64:].any()
+
+
+def test_magpie_questions_are_the_targets_own_and_answered_by_it(tmp_path, smollm2):
+  """source=magpie: each user turn is what the target writes after the chat template's user
+  header (greedy here, so it can be recomputed), and its answer is the target's answer to it;
+  a second run finds every shard written."""
+  from configs import smollm2_135m
+  from train import selfdistill
+
+  config = smollm2_135m.get_config("smoke")
+  config.selfdistill.update(
+    source="magpie",
+    out=str(tmp_path / "sd"),
+    num_conversations=2,
+    batch_size=8,  # over the test session's 8 CPU devices
+    shard_size=8,
+    question_temperature=0.0,
+    max_question_tokens=12,
+  )
+  selfdistill.run(config)
+  (shard,) = sorted(os.listdir(tmp_path / "sd"))
+  text = (tmp_path / "sd" / shard).read_text()
+  records = [json.loads(line) for line in text.splitlines()]
+  assert [r["id"] for r in records] == [f"magpie-{config.seed}-{i:07d}" for i in range(2)]
+  header, footer = selfdistill.user_turn_template(smollm2[1])
+  (question,) = _greedy_answers(smollm2, [header], max_new_tokens=12)
+  assert question.strip()
+  for r in records:
+    user, answer = r["conversations"]
+    assert user == {"from": "user", "value": question}
+    prompt = header + smollm2[1](question, add_special_tokens=False).input_ids + footer
+    assert [answer["value"]] == _greedy_answers(smollm2, [prompt])
+  selfdistill.run(config)
+  assert (tmp_path / "sd" / shard).read_text() == text

@@ -1,4 +1,4 @@
-r"""Self-distillation data: ShareGPT prompts answered by the target itself.
+r"""Self-distillation data: prompts answered by the target itself.
 
   python -m train.selfdistill --config=configs/smollm2_135m.py
 
@@ -6,9 +6,17 @@ For the first `config.selfdistill.num_conversations` conversations of
 `config.selfdistill.source` (both splits), the first user turn (and a system turn before it,
 if any) is answered by the target through `pspec_jax.decode`, in batches, and written as
 ShareGPT-style JSONL shards under `config.selfdistill.out`, which `train.distill` reads as
-`config.data.source`. Shard i holds the prompts [i * shard_size, (i + 1) * shard_size) in
-source order. Each shard is written to a temporary file and renamed when complete, so a killed
-run loses at most the shards in progress; a restart skips the shards already written.
+`config.data.source`.
+
+With `config.selfdistill.source=magpie` no prompt file is read: the target writes each user
+turn itself, sampled after the chat template's user header (Magpie, Xu et al. 2024) at
+`question_temperature` / `question_top_p`, up to `max_question_tokens`, and then answers it.
+Prompts are then as many as `num_conversations` asks, in the target's own distribution of
+requests; conversation i is `magpie-<seed>-<i>`, so another `config.seed` writes new ones.
+
+Shard i holds the prompts [i * shard_size, (i + 1) * shard_size) in source order. Each shard
+is written to a temporary file and renamed when complete, so a killed run
+loses at most the shards in progress; a restart skips the shards already written.
 
 Several processes (`--config.distributed=True`, with `config.cluster` where jax.distributed
 cannot find the cluster itself) write one dataset into the same directory: shard i is
@@ -39,6 +47,8 @@ FLAGS = flags.FLAGS
 # A week: the processes finish their shards at different times (one shard apart, more after a
 # resume); the last one may take hours after the first.
 _BARRIER_TIMEOUT_MS = 7 * 24 * 3600 * 1000
+# The source whose user turns the target writes itself.
+MAGPIE = "magpie"
 
 
 def _prompts(config, tokenizer):
@@ -50,6 +60,8 @@ def _prompts(config, tokenizer):
   from pspec_jax import data
 
   s = config.selfdistill
+  if s.source == MAGPIE:  # the target writes the user turns while answering (`_asker`)
+    return [(f"{MAGPIE}-{config.seed}-{i:07d}", None, None) for i in range(s.num_conversations)]
   out = []
   source = data.read_conversations(
     s.source, config.data.tfds_data_dir or None, config.data.skip_malformed
@@ -105,8 +117,10 @@ def run(config) -> None:
   if todo:
     answer = _answerer(config, tokenizer)
     for index in todo:
-      answers = answer(index, shards[index], lambda rows: _progress(bar, rows, todo_rows, start))
-      _write_shard(_shard_path(s.out, index), shards[index], answers)
+      shard, answers = answer(
+        index, shards[index], lambda rows: _progress(bar, rows, todo_rows, start)
+      )
+      _write_shard(_shard_path(s.out, index), shard, answers)
   bar.close()
   if todo:
     print(f"self-distill: {_rate(todo_rows, start)}", flush=True)
@@ -118,8 +132,9 @@ def run(config) -> None:
 
 
 def _answerer(config, tokenizer):
-  """Loads the target and returns `answer(index, shard, progress) -> answers`, which answers
-  shard `index` in batches, calling `progress(rows)` after each."""
+  """Loads the target and returns `answer(index, shard, progress) -> (shard, answers)`, which
+  answers shard `index` in batches (first writing its user turns, for `magpie`), calling
+  `progress(rows)` after each."""
   import jax
   import numpy as np
 
@@ -153,8 +168,11 @@ def _answerer(config, tokenizer):
     mesh=mesh,
   )
   key = jax.random.key(config.seed)
+  ask = _asker(config, tokenizer, target, drafter, cfg) if s.source == MAGPIE else None
 
   def answer(index, shard, progress):
+    if ask is not None:
+      shard = ask(index, shard)
     answers = [None] * len(shard)
     # Batches of similar prompt lengths. Batches stay within a shard: a batch, its padding and
     # its key (the shard's index and the batch's place in it) are then the same whichever
@@ -169,9 +187,72 @@ def _answerer(config, tokenizer):
         ids = np.asarray(out.tokens[row, : out.lengths[row]]).tolist()
         answers[i] = tokenizer.decode(ids, skip_special_tokens=True)
       progress(len(rows))
-    return answers
+    return shard, answers
 
   return answer
+
+
+def _asker(config, tokenizer, target, drafter, cfg):
+  """`ask(index, shard) -> shard`: the shard with each conversation's user turn written by the
+  target, sampled after the chat template's header of a user turn, in batches of the
+  answers' size. A question's key is its batch's (the shard's index and the batch's place in
+  it), so any number of processes writes the same questions."""
+  import dataclasses
+
+  import jax
+  import numpy as np
+
+  from pspec_jax import decode
+  from pspec_jax.sampling import SamplingConfig
+
+  s = config.selfdistill
+  header, footer = user_turn_template(tokenizer)
+  if len(header) + s.max_question_tokens + len(footer) > s.max_prompt_tokens:
+    raise ValueError(
+      f"selfdistill.max_question_tokens={s.max_question_tokens} leaves no room in "
+      f"selfdistill.max_prompt_tokens={s.max_prompt_tokens} for the chat template's "
+      f"{len(header) + len(footer)} tokens around a user turn"
+    )
+  question_cfg = dataclasses.replace(
+    cfg,
+    max_new_tokens=s.max_question_tokens,
+    sampling=SamplingConfig(temperature=s.question_temperature, top_p=s.question_top_p),
+  )
+  question_key = jax.random.split(jax.random.key(config.seed))[1]
+  eos = set(cfg.eos_ids)
+  tokens = np.tile(np.asarray(header, np.int32), (s.batch_size, 1))
+  lengths = np.full(s.batch_size, len(header), np.int32)
+
+  def ask(index, shard):
+    asked = []
+    for start in range(0, len(shard), s.batch_size):
+      batch_key = jax.random.fold_in(question_key, index * s.shard_size + start)
+      out = jax.device_get(
+        decode.generate(target, tokens, lengths, batch_key, question_cfg, drafter)
+      )
+      for row, (cid, _, _) in enumerate(shard[start : start + s.batch_size]):
+        ids = np.asarray(out.tokens[row, : out.lengths[row]]).tolist()
+        if ids and ids[-1] in eos:
+          ids = ids[:-1]
+        question = tokenizer.decode(ids, skip_special_tokens=True)
+        asked.append((cid, [{"role": "user", "content": question}], header + ids + footer))
+    return asked
+
+  return ask
+
+
+def user_turn_template(tokenizer) -> tuple[list[int], list[int]]:
+  """The chat template's token ids before and after a lone user turn's text (the header
+  includes the template's default system turn, if it has one)."""
+  marker = "\x00USER-TURN\x00"
+  text = tokenizer.apply_chat_template(
+    [{"role": "user", "content": marker}], add_generation_prompt=True, tokenize=False
+  )
+  header, footer = text.split(marker)
+  return (
+    tokenizer(header, add_special_tokens=False).input_ids,
+    tokenizer(footer, add_special_tokens=False).input_ids,
+  )
 
 
 def batch_prompts(prompts: list[list[int]], pad_id: int, s) -> tuple:
