@@ -51,8 +51,9 @@ def acceptance_rates(target, drafter, prompts, cfg, batch_size):
   """How often each rank path of the pool `cfg.tree` is accepted, per round; and the rounds."""
   pool = decode.resolve_tree(cfg, drafter)
 
+  # The weights are arguments, not constants of the program (XLA would fold them in).
   @functools.partial(jax.jit, static_argnums=0)
-  def calibration_round(plan, state):
+  def calibration_round(plan, target, drafter, state):
     # decode.round_step's three steps, keeping the path that commit accepts.
     verified = decode.verify(plan, target, drafter, state)
     path_BP1, num_accepted_B, _ = decode.accept_path(plan, state, verified)
@@ -71,7 +72,7 @@ def acceptance_rates(target, drafter, prompts, cfg, batch_size):
     plan = decode.make_plan(cfg, drafter, tokens.shape[1])
     state = decode.init(plan, target, drafter, tokens, lengths, jax.random.key(0))
     while not bool(state.done.all()):
-      state, hits_M, active = calibration_round(plan, state)
+      state, hits_M, active = calibration_round(plan, target, drafter, state)
       hits += np.asarray(hits_M)
       rounds += int(active)
   rates = {p: hits[i + 1] / max(rounds, 1) for i, p in enumerate(pool.paths)}
