@@ -218,18 +218,25 @@ def test_magpie_questions_are_the_targets_own_and_answered_by_it(tmp_path, smoll
     question_temperature=0.0,
     max_question_tokens=12,
   )
+  # A directory holding another dataset's shard is refused, not overwritten.
+  (tmp_path / "sd").mkdir()
+  other = tmp_path / "sd" / "part-00000.jsonl"
+  other.write_text(json.dumps({"id": "sharegpt-1", "conversations": []}) + "\n")
+  with pytest.raises(ValueError, match="holds other conversations"):
+    selfdistill.run(config)
+  other.unlink()
   selfdistill.run(config)
   (shard,) = sorted(os.listdir(tmp_path / "sd"))
   text = (tmp_path / "sd" / shard).read_text()
   records = [json.loads(line) for line in text.splitlines()]
   assert [r["id"] for r in records] == [f"magpie-{config.seed}-{i:07d}" for i in range(2)]
-  header, footer = selfdistill.user_turn_template(smollm2[1])
+  header, _ = selfdistill.user_turn_template(smollm2[1])
   (question,) = _greedy_answers(smollm2, [header], max_new_tokens=12)
   assert question.strip()
   for r in records:
     user, answer = r["conversations"]
     assert user == {"from": "user", "value": question}
-    prompt = header + smollm2[1](question, add_special_tokens=False).input_ids + footer
-    assert [answer["value"]] == _greedy_answers(smollm2, [prompt])
+    # Answered from the prompt training renders from the record.
+    assert [answer["value"]] == _greedy_answers(smollm2, [_prompt_ids(smollm2[1], r)])
   selfdistill.run(config)
   assert (tmp_path / "sd" / shard).read_text() == text

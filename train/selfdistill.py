@@ -103,7 +103,14 @@ def run(config) -> None:
   os.makedirs(s.out, exist_ok=True)
   shards = [prompts[i : i + s.shard_size] for i in range(0, len(prompts), s.shard_size)]
   # Every process reads which shards are missing (for the totals); each answers its own.
-  pending = [i for i in range(len(shards)) if _ids(_shard_path(s.out, i)) != _cids(shards[i])]
+  written = {i: _ids(_shard_path(s.out, i)) for i in range(len(shards))}
+  for i, ids in written.items():
+    if ids and not set(ids) & set(_cids(shards[i])):
+      raise ValueError(
+        f"selfdistill.out: {_shard_path(s.out, i)} holds other conversations (another source "
+        "or seed?): give another --config.selfdistill.out, or move them away"
+      )
+  pending = [i for i in range(len(shards)) if written[i] != _cids(shards[i])]
   todo = [i for i in pending if i % processes == process]
   mine = sum(len(shards[i]) for i in range(process, len(shards), processes))
   todo_rows = sum(len(shards[i]) for i in todo)
@@ -218,7 +225,8 @@ def _asker(config, tokenizer, target, drafter, cfg):
     max_new_tokens=s.max_question_tokens,
     sampling=SamplingConfig(temperature=s.question_temperature, top_p=s.question_top_p),
   )
-  question_key = jax.random.split(jax.random.key(config.seed))[1]
+  # A stream of its own: the answers' keys fold in shard offsets, which never reach 2**32 - 1.
+  question_key = jax.random.fold_in(jax.random.key(config.seed), np.uint32(0xFFFFFFFF))
   eos = set(cfg.eos_ids)
   tokens = np.tile(np.asarray(header, np.int32), (s.batch_size, 1))
   lengths = np.full(s.batch_size, len(header), np.int32)
@@ -234,11 +242,23 @@ def _asker(config, tokenizer, target, drafter, cfg):
         ids = np.asarray(out.tokens[row, : out.lengths[row]]).tolist()
         if ids and ids[-1] in eos:
           ids = ids[:-1]
-        question = tokenizer.decode(ids, skip_special_tokens=True)
-        asked.append((cid, [{"role": "user", "content": question}], header + ids + footer))
+        turns = [{"role": "user", "content": tokenizer.decode(ids, skip_special_tokens=True)}]
+        asked.append((cid, turns, _rendered(tokenizer, turns, s.max_prompt_tokens)))
     return asked
 
   return ask
+
+
+def _rendered(tokenizer, turns, max_tokens: int) -> list[int]:
+  """The prompt ids of a written question as training renders its text (the chat template),
+  the question cut at its end in the rare case that its text tokenises longer than sampled."""
+  while True:
+    text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    if len(ids) <= max_tokens:
+      return ids
+    cut = tokenizer(turns[0]["content"], add_special_tokens=False).input_ids[:-1]
+    turns[0]["content"] = tokenizer.decode(cut)
 
 
 def user_turn_template(tokenizer) -> tuple[list[int], list[int]]:
@@ -324,8 +344,9 @@ def _wait_for_all_processes() -> None:
 
 def _ids(path: str) -> list[str]:
   """The conversation ids a written shard holds (none if it is missing). A shard whose ids
-  differ from what the config asks for (the last one, after `num_conversations` was raised,
-  or another source) is answered again."""
+  differ from what the config asks for (the last one, after `num_conversations` was raised)
+  is answered again; one that shares none of them (another source or seed) stops the run
+  instead of being overwritten."""
   if not os.path.exists(path):
     return []
   with open(path) as fh:
