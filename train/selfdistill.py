@@ -71,8 +71,7 @@ def _prompts(config, tokenizer):
     turns = c["turns"][:first]
     if not turns or turns[-1]["role"] != "user":
       continue
-    text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
-    ids = tokenizer(text, add_special_tokens=False).input_ids
+    ids = _render(tokenizer, turns)
     if len(ids) <= s.max_prompt_tokens:
       out.append((c["id"], turns, ids))
     if len(out) == s.num_conversations:
@@ -253,12 +252,17 @@ def _rendered(tokenizer, turns, max_tokens: int) -> list[int]:
   """The prompt ids of a written question as training renders its text (the chat template),
   the question cut at its end in the rare case that its text tokenises longer than sampled."""
   while True:
-    text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
-    ids = tokenizer(text, add_special_tokens=False).input_ids
+    ids = _render(tokenizer, turns)
     if len(ids) <= max_tokens:
       return ids
     cut = tokenizer(turns[0]["content"], add_special_tokens=False).input_ids[:-1]
     turns[0]["content"] = tokenizer.decode(cut)
+
+
+def _render(tokenizer, turns) -> list[int]:
+  """Prompt ids of the turns before an answer, in the chat template (as training renders them)."""
+  text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+  return tokenizer(text, add_special_tokens=False).input_ids
 
 
 def user_turn_template(tokenizer) -> tuple[list[int], list[int]]:
