@@ -23,9 +23,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 kernel:
 	-$(PY) -c "from pspec_jax import cpu_kernel; cpu_kernel.build(); print(cpu_kernel.describe())"
 
-# One worker per core; a test file stays on one worker, so its fixtures are built once.
+# One worker per core; a test file stays on one worker, so its fixtures are built once. Files
+# with slow tests go first (tests/conftest.py), so both workers finish together.
 test: setup
-	$(PY) -m pytest -n auto --dist loadfile
+	$(PY) -m pytest -n auto --dist loadfile --no-loadscope-reorder
 
 bench: setup
 	$(PY) -m infer.bench

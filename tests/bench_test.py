@@ -248,6 +248,7 @@ def test_prompt_sets_ship_offline():
     prompts_lib.prompt_set("nope")
 
 
+@pytest.mark.slow
 def test_a_real_run_writes_results_report_and_plots(tmp_path):
   """The embedded default with its shipped pspec drafter and HF generate, on held-out ShareGPT,
   greedy (sampling runs the same path; its rows are `test_rows_pool_tau...`'s)."""

@@ -51,6 +51,7 @@ def test_gguf_logits_match_transformers_gguf_loading(smollm2, hf_smollm2):
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
 
 
+@pytest.mark.slow
 def test_gguf_greedy_generations_match_transformers(smollm2, hf_smollm2):
   target, tokenizer = smollm2
   encoded = [prompts_lib.encode_prompt(tokenizer, p, chat=True) for p in PROMPTS]

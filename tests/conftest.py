@@ -59,6 +59,16 @@ def _memory_mappings() -> int:
 _MAPPINGS_BUDGET = _max_map_count() // 2
 
 
+def pytest_collection_modifyitems(items):
+  """Files that hold a slow test (`slow`: tens of seconds or more) come first. With the
+  Makefile's `--dist loadfile --no-loadscope-reorder` each worker then takes whole files in this
+  order, so the workers begin with the long files and end together on the many short ones,
+  instead of one of them running a long file alone at the end (xdist's default order puts the
+  files with the most tests first, and those are the short ones here)."""
+  slow = {item.path for item in items if item.get_closest_marker("slow")}
+  items.sort(key=lambda item: item.path not in slow)  # stable: files and tests keep their order
+
+
 @pytest.fixture(autouse=True)
 def _release_compiled_programs():
   """A compiled program holds hundreds of memory mappings (its JIT-linked kernels) for as long

@@ -129,6 +129,7 @@ def test_without_json_a_run_ends_with_one_summary_line():
   ), result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["pld", "pspec", "eagle", "medusa"])
 def test_drafting_through_the_cli_is_lossless(plain_run, method):
   """Drafts accepted (tau > 1) and the tokens of plain greedy decoding, prompt for prompt;

@@ -208,23 +208,9 @@ def test_drafted_trees_have_distinct_siblings(target, kind):
 
 # --- whole decodes against the target's exact distribution --------------------------------------
 
-SAMPLING_TINY = testing.TINY.replace(vocab_size=6, max_position_embeddings=64)
 NUM_SAMPLES = 24000
 PROMPT = [1, 2, 1, 2, 1]
 LENGTH = 4
-
-
-def exact_joint(target, prompt, length, sampling):
-  """Exact probability of every continuation of `length` tokens under the filtered target."""
-  v = target.cfg.vocab_size
-  seqs = np.array(np.meshgrid(*[np.arange(v)] * length, indexing="ij")).reshape(length, -1).T
-  full = np.concatenate([np.tile(prompt, (len(seqs), 1)), seqs], axis=1)
-  positions = jnp.broadcast_to(jnp.arange(full.shape[1]), full.shape)
-  features, _ = target(jnp.asarray(full), positions)
-  logp = jax.nn.log_softmax(filtered_logits(target.logits(features), sampling), axis=-1)
-  n = len(prompt)
-  steps = [logp[np.arange(len(seqs)), n - 1 + i, seqs[:, i]] for i in range(length)]
-  return np.exp(np.asarray(sum(steps), np.float64)), seqs
 
 
 def oracle_proposer(sampling):
@@ -268,44 +254,13 @@ def oracle_proposer(sampling):
   return propose
 
 
-def sample_many(target, drafter, cfg, batch):
-  """NUM_SAMPLES continuations of PROMPT, decoded `batch` at a time (the sequences of one batch
-  are independent samples: each one's tokens follow the target given its own prefix, whatever
-  the others'). Batches of one or a few are vmapped over keys; there a `lax.switch` runs every
-  branch, so trees that switch (adaptive, gated, lookup) sample faster in one large batch."""
-  tokens, lengths = testing.padded([PROMPT] * batch, width=8)
-
-  @jax.jit
-  def one(key):
-    out = decode.generate(target, tokens, lengths, key, cfg, drafter)
-    return out.tokens, out.tau, out.accepted_per_depth[:, 0] / jnp.maximum(out.rounds, 1)
-
-  keys = jax.random.split(jax.random.key(123), NUM_SAMPLES // batch)
-  tokens, tau, depth1 = jax.lax.map(one, keys, batch_size=max(1, 1000 // batch))
-  return np.asarray(tokens).reshape(-1, LENGTH), float(tau.mean()), float(depth1.mean())
-
-
-def assert_matches_joint(samples, probs, v):
-  codes = samples @ (v ** np.arange(LENGTH - 1, -1, -1))
-  observed = np.bincount(codes, minlength=len(probs)).astype(np.float64)
-  assert observed[probs == 0].sum() == 0  # filtered continuations never appear
-  expected = probs * len(samples)
-  rare = expected < 5  # pooled into one cell so that every expected count is >= 5
-  observed = np.append(observed[~rare & (probs > 0)], observed[rare & (probs > 0)].sum())
-  expected = np.append(expected[~rare & (probs > 0)], expected[rare & (probs > 0)].sum())
-  if expected[-1] == 0:
-    observed, expected = observed[:-1], expected[:-1]
-  assert len(expected) > 10
-  _, p_value = scipy.stats.chisquare(observed, expected * observed.sum() / expected.sum())
-  assert p_value > 1e-3, p_value
-
-
 T1 = SamplingConfig(temperature=1.0)
 T07_TOP_P = SamplingConfig(temperature=0.7, top_p=0.9)
 T07_TOP_K = SamplingConfig(temperature=0.7, top_k=4)
 T1_TOP_K_P = SamplingConfig(temperature=1.0, top_k=4, top_p=0.9)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "kind,tree,sampling,batch",
   [
@@ -319,14 +274,14 @@ T1_TOP_K_P = SamplingConfig(temperature=1.0, top_k=4, top_p=0.9)
   ],
 )
 def test_drafts_from_a_poor_drafter_keep_the_target_distribution(kind, tree, sampling, batch):
-  target = testing.make_target(2.0, seed=3, cfg=SAMPLING_TINY)
+  target = testing.make_target(2.0, seed=3, cfg=testing.SAMPLING_TINY)
   cfg = decode.DecodeConfig(max_new_tokens=LENGTH, sampling=sampling, num_draft=3, tree=tree)
   drafter = testing.drafter_for(kind, target, num_draft=3, seed=7)
   assert decode.make_plan(cfg, drafter, 8).drawn
-  samples, tau, _ = sample_many(target, drafter, cfg, batch)
+  samples, tau, _ = testing.sample_many(target, drafter, PROMPT, cfg, batch, NUM_SAMPLES)
   assert tau > 1.1  # drafts do get accepted
-  probs, _ = exact_joint(target, PROMPT, LENGTH, sampling)
-  assert_matches_joint(samples, probs, target.cfg.vocab_size)
+  probs, _ = testing.exact_joint(target, PROMPT, LENGTH, sampling)
+  testing.assert_matches_joint(samples, probs, target.cfg.vocab_size)
 
 
 # Two candidates whose nodes sit at other indices in their union (0, 1, 2, 0.0, 2.0), so that an
@@ -335,12 +290,13 @@ ADAPTIVE = "adaptive:paths:0/2/2.0|paths:0/1/0.0+lookup:2"
 FAVOUR = {1: ((1, 1), (1, 1), (2, 2)), 2: ((1, 1), (2, 2), (1, 1))}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "kind,favoured,sampling,batch",
   [("eagle", 1, T1, 1000), ("pspec", 2, T07_TOP_K, 1000), ("medusa", 1, T07_TOP_P, 1000)],
 )
 def test_adaptive_rounds_drawn_from_q_keep_the_target_distribution(kind, favoured, sampling, batch):
-  target = testing.make_target(2.0, seed=3, cfg=SAMPLING_TINY)
+  target = testing.make_target(2.0, seed=3, cfg=testing.SAMPLING_TINY)
   cfg = decode.DecodeConfig(
     max_new_tokens=LENGTH, sampling=sampling, num_draft=3, tree=ADAPTIVE, costs=FAVOUR[favoured]
   )
@@ -349,25 +305,26 @@ def test_adaptive_rounds_drawn_from_q_keep_the_target_distribution(kind, favoure
   tokens, lengths = testing.padded([PROMPT], width=8)
   chosen = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter).chosen
   assert chosen[favoured] == chosen.sum() > 0, chosen
-  samples, tau, _ = sample_many(target, drafter, cfg, batch)
+  samples, tau, _ = testing.sample_many(target, drafter, PROMPT, cfg, batch, NUM_SAMPLES)
   assert tau > 1.1  # drafts do get accepted
-  probs, _ = exact_joint(target, PROMPT, LENGTH, sampling)
-  assert_matches_joint(samples, probs, target.cfg.vocab_size)
+  probs, _ = testing.exact_joint(target, PROMPT, LENGTH, sampling)
+  testing.assert_matches_joint(samples, probs, target.cfg.vocab_size)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "tree,sampling,batch", [("chain", T07_TOP_P, 1), ("sparse8", T1_TOP_K_P, 4)]
 )
 def test_a_drafter_equal_to_the_target_is_always_accepted(monkeypatch, tree, sampling, batch):
-  target = testing.make_target(2.0, seed=3, cfg=SAMPLING_TINY)
+  target = testing.make_target(2.0, seed=3, cfg=testing.SAMPLING_TINY)
   monkeypatch.setitem(propose_lib.PROPOSERS, "eagle", oracle_proposer(sampling))
   cfg = decode.DecodeConfig(max_new_tokens=LENGTH, sampling=sampling, num_draft=3, tree=tree)
   drafter = testing.drafter_for("eagle", target, num_draft=3, seed=7)
-  samples, tau, depth1 = sample_many(target, drafter, cfg, batch)
+  samples, tau, depth1 = testing.sample_many(target, drafter, PROMPT, cfg, batch, NUM_SAMPLES)
   # One round takes every remaining token: the draft is accepted whatever the target samples.
   assert depth1 > 0.995 and tau > LENGTH - 1 - 0.02, (depth1, tau)
-  probs, _ = exact_joint(target, PROMPT, LENGTH, sampling)
-  assert_matches_joint(samples, probs, target.cfg.vocab_size)
+  probs, _ = testing.exact_joint(target, PROMPT, LENGTH, sampling)
+  testing.assert_matches_joint(samples, probs, target.cfg.vocab_size)
 
 
 def test_top_k_drafts_stay_selectable_and_greedy_ignores_the_rule(target):

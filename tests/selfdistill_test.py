@@ -14,19 +14,12 @@ from pspec_jax import testing
 pytestmark = pytest.mark.slow
 
 
-def test_selfdistill_writes_resumable_shards(tmp_path, smollm2):
+def test_selfdistill_writes_resumable_shards(single, tmp_path, smollm2):
+  # The greedy dataset of one process (the `single` fixture's run), resumed here.
   out = tmp_path / "sd"
-  command = [
-    sys.executable,
-    "-m",
-    "train.selfdistill",
-    f"--config={testing.SMOKE}",
-    f"--config.selfdistill.out={out}",
-  ]
-  result = subprocess.run(
-    command, cwd=testing.ROOT, env=testing.cli_env(), capture_output=True, text=True
-  )
-  assert result.returncode == 0, result.stderr[-3000:]
+  out.mkdir()
+  for name, data in single(0.0).items():
+    (out / name).write_bytes(data)
   shards = sorted(os.listdir(out))
   assert shards == ["part-00000.jsonl", "part-00001.jsonl"]
   records = [json.loads(line) for s in shards for line in (out / s).read_text().splitlines()]
@@ -46,10 +39,7 @@ def test_selfdistill_writes_resumable_shards(tmp_path, smollm2):
   written = [(out / name).read_text() for name in shards]
   (out / shards[0]).unlink()
   (out / shards[1]).write_text(written[1].splitlines(keepends=True)[0])
-  result = subprocess.run(
-    command, cwd=testing.ROOT, env=testing.cli_env(), capture_output=True, text=True
-  )
-  assert result.returncode == 0, result.stderr[-3000:]
+  _run_processes(out, 1)
   assert [(out / name).read_text() for name in shards] == written
 
 
