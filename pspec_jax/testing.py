@@ -77,8 +77,8 @@ SAMPLING_TINY = TINY.replace(vocab_size=6, max_position_embeddings=64)
 
 def exact_joint(target, prompt, length, sampling=None):
   """Exact probability of every continuation of `length` tokens after `prompt` under the target
-  with `sampling`'s temperature and filters (default T = 1, unfiltered): (probabilities
-  [V**length], sequences)."""
+  with `sampling`'s temperature and filters (default T = 1, unfiltered): [V**length], the
+  continuations in base-V order (first token most significant)."""
   sampling = sampling or SamplingConfig(temperature=1.0)
   v = target.cfg.vocab_size
   seqs = np.array(np.meshgrid(*[np.arange(v)] * length, indexing="ij")).reshape(length, -1).T
@@ -88,7 +88,7 @@ def exact_joint(target, prompt, length, sampling=None):
   logp = jax.nn.log_softmax(filtered_logits(target.logits(features), sampling), axis=-1)
   n = len(prompt)
   steps = [logp[np.arange(len(seqs)), n - 1 + i, seqs[:, i]] for i in range(length)]
-  return np.exp(np.asarray(sum(steps), np.float64)), seqs
+  return np.exp(np.asarray(sum(steps), np.float64))
 
 
 def sample_many(target, drafter, prompt, cfg, batch, num_samples):
