@@ -14,7 +14,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from pspec_jax import cpu_kernel, panels
 
@@ -117,7 +116,7 @@ def attend(cfg, q_BTKGH, k_BTKH, v_BTKH, mask_BTT, cache_kv, cache_len_B):
     kernel = lambda q, k, v, mask, kv, lengths: cpu_kernel.attention(
       q, *kv, lengths, k, v, jnp.broadcast_to(mask, (b, t, t)), 1.0 / math.sqrt(q.shape[-1])
     )
-    out = lax.platform_dependent(*args, cpu=kernel, default=functools.partial(_attend, cfg))
+    out = cpu_kernel.platform_dependent(*args, cpu=kernel, default=functools.partial(_attend, cfg))
     return out.astype(cfg.dtype)
   return _attend(cfg, q_BTKGH, k_BTKH, v_BTKH, mask_BTT, cache_kv, cache_len_B)
 

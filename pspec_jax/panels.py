@@ -111,7 +111,7 @@ def matmuls(x_XK: jax.Array, weights, dtype=None, preferred_element_type=None) -
           for w, n in zip(ws, ns, strict=True)
         ]
 
-    ys = lax.platform_dependent(x_MK, *ws, cpu=cpu, default=xla)
+    ys = cpu_kernel.platform_dependent(x_MK, *ws, cpu=cpu, default=xla)
   else:
     ys = xla(x_MK, *ws)
   return [y.reshape(*lead, n) for y, n in zip(ys, ns, strict=True)]

@@ -315,3 +315,25 @@ def test_attention_of_more_new_tokens_than_the_kernel_takes_is_xla_s():
 
   assert "pspec_decode_attention" in hlo(cpu_kernel.MAX_ROWS)
   assert "pspec_decode_attention" not in hlo(cpu_kernel.MAX_ROWS + 1)  # a prefill
+
+
+def test_the_cpu_branch_is_traced_alone_where_the_cpu_is_the_only_platform(monkeypatch):
+  traced = []
+
+  def branch(name, scale):
+    def f(x):
+      traced.append(name)
+      return x * scale
+
+    return f
+
+  def run():
+    traced.clear()
+    fn = lambda x: cpu_kernel.platform_dependent(x, cpu=branch("cpu", 2), default=branch("else", 3))
+    return float(jax.jit(fn)(jnp.ones(())))
+
+  assert run() == 2 and traced == ["cpu"]
+  # With an accelerator the program may lower for it: both branches are traced, and the CPU's
+  # runs on the CPU.
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert run() == 2 and sorted(traced) == ["cpu", "else"]

@@ -111,25 +111,19 @@ def single(tmp_path_factory):
 
 
 def test_two_processes_with_two_devices_each_write_the_one_process_dataset(single, tmp_path):
-  """Greedy: shard 0 from process 0, shard 1 from process 1, each batch split over two
-  devices; byte for byte the shards one process on one device writes."""
+  """Shard 0 from process 0, shard 1 from process 1, each batch split over two devices; at
+  temperature > 0 a batch's key is its shard's and its place there, so byte for byte the
+  shards one process on one device writes, whichever process draws them, and not the greedy
+  answers. (Greedy, two processes write them too: `test_two_processes_resume_a_killed_run`.)"""
   out = tmp_path / "sd"
-  outputs = _run_processes(out, 2, devices=2)
-  assert _dataset(out) == single(0.0)
+  outputs = _run_processes(out, 2, "--config.selfdistill.temperature=1.0", devices=2)
+  assert _dataset(out) == single(1.0)
+  assert _dataset(out) != single(0.0)
   assert list(_dataset(out)) == ["part-00000.jsonl", "part-00001.jsonl"]
   for stdout, _ in outputs:  # each answered its own shard
     assert "self-distill: 2 conversations in" in stdout
   assert "self-distill, all 2 processes: 4 conversations in" in outputs[0][0]
   assert "conversations per hour" in outputs[0][0]
-
-
-def test_two_processes_sample_the_one_process_dataset(single, tmp_path):
-  """At temperature > 0 a batch's key is its shard's and its place there: the same samples
-  whichever process draws them, and not the greedy answers."""
-  out = tmp_path / "sd"
-  _run_processes(out, 2, "--config.selfdistill.temperature=1.0")
-  assert _dataset(out) == single(1.0)
-  assert _dataset(out) != single(0.0)
 
 
 def test_two_processes_resume_a_killed_run(single, tmp_path):
