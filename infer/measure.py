@@ -321,6 +321,20 @@ def phase_shares(target, drafter, batches, cfg) -> dict[str, float] | None:
   return {k: v / total for k, v in ms.items()}
 
 
+def _readers(num_bytes: int) -> tuple[dict, int]:
+  """`read_bandwidth`'s streaming reads as `interleaved_times` calls, and the bytes each reads."""
+  num_bytes = min(max(num_bytes, 1 << 28), 1 << 30)
+  panel = 1024 * panels.WIDTH  # floats in one [1024, 64] panel
+  num_bytes -= num_bytes % (4 * panel)
+  buffer = jax.numpy.ones(num_bytes // 4, np.float32)
+  readers = {"sum": (jax.jit(jax.numpy.sum), buffer)}
+  if jax.default_backend() == "cpu" and cpu_kernel.available():
+    w = buffer.reshape(-1, 1024, panels.WIDTH)
+    x = jax.numpy.ones((1, 1024), np.float32)
+    readers["kernel"] = (jax.jit(cpu_kernel.matmul, static_argnums=2), x, w, w.shape[0] * 64)
+  return readers, num_bytes
+
+
 def read_bandwidth(num_bytes: int, repeats: int = 5) -> float:
   """Bytes per second of a large streaming read on the default device, at least 256 MiB so no
   cache holds it and at most 1 GiB: a jitted sum over a float32 buffer, and on a CPU with the
@@ -328,22 +342,9 @@ def read_bandwidth(num_bytes: int, repeats: int = 5) -> float:
   where XLA:CPU's sum reads on one); the faster reader's median of a few, taken in turns. The
   rate at which a decoding step could read its weights, each once; a copy (read and write)
   gives less than this on a CPU, so a floor from it would flatter a step."""
-  num_bytes = min(max(num_bytes, 1 << 28), 1 << 30)
-  panel = 1024 * panels.WIDTH  # floats in one [1024, 64] panel
-  num_bytes -= num_bytes % (4 * panel)
-  buffer = jax.numpy.ones(num_bytes // 4, np.float32)
-  readers = [(jax.jit(jax.numpy.sum), (buffer,))]
-  if jax.default_backend() == "cpu" and cpu_kernel.available():
-    w = buffer.reshape(-1, 1024, panels.WIDTH)
-    x = jax.numpy.ones((1, 1024), np.float32)
-    readers.append((jax.jit(cpu_kernel.matmul, static_argnums=2), (x, w, w.shape[0] * 64)))
-  for read, args in readers:
-    jax.block_until_ready(read(*args))  # warm-up (and compile)
-  seconds = [[] for _ in readers]
-  for _ in range(repeats):
-    for (read, args), s in zip(readers, seconds, strict=True):
-      s.append(timed(read, *args)[1])
-  return num_bytes / min(statistics.median(s) for s in seconds)
+  readers, read_bytes = _readers(num_bytes)
+  times = interleaved_times(readers, repeats)
+  return read_bytes / (min(statistics.median(t) for t in times.values()) / 1e3)
 
 
 def round_seconds(target, drafter, ids, cfg, repeats=3) -> tuple[float, int]:
@@ -368,18 +369,32 @@ def round_seconds(target, drafter, ids, cfg, repeats=3) -> tuple[float, int]:
   return (min(long_s) - min(short_s)) / rounds, rounds
 
 
-def step_profile(target, ids, cfg, steps=64) -> dict:
+def step_profile(target, ids, cfg, steps=64, turns=7) -> dict:
   """`none`'s decode step against the memory-bandwidth floor: the time to read, once at the
   measured streaming-read bandwidth (`read_bandwidth`), every weight a step reads. All but
-  the embedding table, of which it gathers a row, unless the table is the (tied) LM head too."""
+  the embedding table, of which it gathers a row, unless the table is the (tied) LM head too.
+
+  The step (a decode of `steps` + 1 tokens less one of 1, over the rounds between) and the
+  floor are timed in the same turns, and the ratio is the median over turns of each turn's own
+  (`paired_ratio`): on a shared machine the speed drifts by tens of percent within a minute, and
+  a step and a floor timed apart once gave a ratio below 1."""
   weight_bytes = sum(x.nbytes for x in jax.tree.leaves(target.params))
   if not target.cfg.tie_embeddings:
     weight_bytes -= target.params["embedding"].nbytes
-  step, _ = round_seconds(target, None, ids, dataclasses.replace(cfg, max_new_tokens=steps + 1))
-  floor = weight_bytes / read_bandwidth(weight_bytes)
+  key = jax.random.key(0)
+  cfg = dataclasses.replace(cfg, eos_ids=(), max_new_tokens=steps + 1)
+  long_run = OurMethod(target, None, cfg, 0)
+  short_run = OurMethod(target, None, dataclasses.replace(cfg, max_new_tokens=1), 0)
+  rounds = long_run([ids], key).rounds[0]
+  readers, read_bytes = _readers(weight_bytes)
+  calls = {"long": (long_run, [ids], key), "short": (short_run, [ids], key), **readers}
+  times = interleaved_times(calls, turns)
+  step_ms = [(a - b) / rounds for a, b in zip(times["long"], times["short"], strict=True)]
+  read_ms = [min(t) for t in zip(*(times[name] for name in readers), strict=True)]
+  floor_ms = [t * weight_bytes / read_bytes for t in read_ms]
   return dict(
     weight_bytes=weight_bytes,
-    decode_step_ms=step * 1e3,
-    bandwidth_floor_ms=floor * 1e3,
-    step_over_floor=step / floor,
+    decode_step_ms=statistics.median(step_ms),
+    bandwidth_floor_ms=statistics.median(floor_ms),
+    step_over_floor=paired_ratio(step_ms, floor_ms),
   )

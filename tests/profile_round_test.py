@@ -55,12 +55,56 @@ def test_a_random_target_profiles_round_parts_loop_and_step(monkeypatch):
   with pytest.raises(ValueError, match="max_new_tokens >= 2, got 1"):
     measure.round_seconds(target, drafter, prompts[0], decode.DecodeConfig(max_new_tokens=1))
 
-  step = measure.step_profile(target, prompts[0], cfg, steps=4)
+  step = measure.step_profile(target, prompts[0], cfg, steps=4, turns=3)
   params = target.params
   weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params)) - params["embedding"].nbytes
   assert step["weight_bytes"] == weight_bytes
-  floor_s = step["bandwidth_floor_ms"] / 1e3
-  assert step["step_over_floor"] == pytest.approx(step["decode_step_ms"] / 1e3 / floor_s)
+  assert step["bandwidth_floor_ms"] > 0 and math.isfinite(step["step_over_floor"])
+
+
+def test_the_step_and_the_floor_are_timed_in_the_same_turns(monkeypatch):
+  """Each turn's step (its 65-token decode less its 1-token one, over 4 rounds) against that
+  turn's floor; the ratio is the median of the turns' ratios, which machine drift between turns
+  leaves alone (here the ratio of the medians would be twice it)."""
+  step_floor_ms = [(15, 10), (30, 20), (45, 30), (16, 10), (30, 10)]
+
+  class FakeMethod:
+    def __init__(self, target, drafter, cfg, seed):
+      assert drafter is None and cfg.eos_ids == ()
+      self.max_new_tokens = cfg.max_new_tokens
+
+    def __call__(self, prompts, key):
+      return types.SimpleNamespace(rounds=[4])
+
+  def script(method_tokens):
+    if method_tokens == 65:
+      return iter([0] + [0.1 + 4 * s / 1e3 for s, _ in step_floor_ms])
+    if method_tokens == 1:
+      return iter([0] + [0.1] * len(step_floor_ms))
+    return iter([0] + [f / 1e3 for _, f in step_floor_ms])
+
+  def read():
+    pass
+
+  # The weights (all but an untied embedding) are 1 MB; the reader reads 2 MB: half its time.
+  target = types.SimpleNamespace(
+    params={"embedding": jnp.zeros(4), "w": jnp.zeros(1 << 18)},
+    cfg=types.SimpleNamespace(tie_embeddings=False),
+  )
+  monkeypatch.setattr(measure, "OurMethod", FakeMethod)
+  monkeypatch.setattr(measure, "_readers", lambda num_bytes: ({"sum": (read,)}, 2 << 20))
+  durations = {65: script(65), 1: script(1), None: script(None)}
+  monkeypatch.setattr(
+    measure,
+    "timed",
+    lambda fn, *args: (None, next(durations[getattr(fn, "max_new_tokens", None)])),
+  )
+  cfg = decode.DecodeConfig(max_new_tokens=9, eos_ids=(7,))
+  step = measure.step_profile(target, [1, 2], cfg, steps=64, turns=len(step_floor_ms))
+  assert step["weight_bytes"] == 1 << 20
+  assert step["decode_step_ms"] == pytest.approx(30)
+  assert step["bandwidth_floor_ms"] == pytest.approx(10 / 2)
+  assert step["step_over_floor"] == pytest.approx(1.5 * 2)
 
 
 def test_round_seconds_takes_each_decodes_fastest_run(monkeypatch):
