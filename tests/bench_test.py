@@ -264,7 +264,7 @@ def test_a_real_run_writes_results_report_and_plots(tmp_path):
       f"--config.out={out}",
     ],
     cwd=ROOT,
-    env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""),
+    env=testing.cli_env(),
     capture_output=True,
     text=True,
     timeout=600,

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from pspec_jax import drafter as drafter_lib
-from pspec_jax import llama, presets, sharding
+from pspec_jax import llama, presets, sharding, testing
 from train import build, plan
 from train import step as step_lib
 
@@ -78,7 +78,7 @@ def test_dry_run_prints_the_memory_plan_without_allocating(variant):
     f"--config=configs/llama2_13b.py:{variant}",
     "--dry_run",
   ]
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = testing.cli_env()
   result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
   assert result.returncode == 0, result.stderr[-2000:]
   out = result.stdout
@@ -156,7 +156,7 @@ def test_dry_run_on_the_plans_hardware_compiles_the_sharded_step():
   ],
 )
 def test_bad_configs_are_one_clear_error(args, message):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env = testing.cli_env()
   result = subprocess.run(
     [sys.executable, "-m", "train.distill", *args],
     cwd=ROOT,

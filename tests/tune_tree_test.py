@@ -158,7 +158,7 @@ def test_write_without_a_drafter_directory_fails_before_loading_the_target(tmp_p
       "--write",
     ],
     cwd=root,
-    env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""),
+    env=testing.cli_env(),
     capture_output=True,
     text=True,
     timeout=300,
