@@ -347,6 +347,20 @@ def read_bandwidth(num_bytes: int, repeats: int = 5) -> float:
   return read_bytes / (min(statistics.median(t) for t in times.values()) / 1e3)
 
 
+def _decode_runs(target, drafter, ids, cfg) -> tuple[dict, int]:
+  """A whole decode of `cfg.max_new_tokens` tokens and one of 1 (EOS off, so every run decodes
+  exactly that many), as `interleaved_times` calls {"long", "short"}, and the long one's rounds
+  (it compiles here)."""
+  if cfg.max_new_tokens < 2:
+    raise ValueError(f"timing rounds needs max_new_tokens >= 2, got {cfg.max_new_tokens}")
+  key = jax.random.key(0)
+  cfg = dataclasses.replace(cfg, eos_ids=())
+  long_run = OurMethod(target, drafter, cfg, 0)
+  short_run = OurMethod(target, drafter, dataclasses.replace(cfg, max_new_tokens=1), 0)
+  rounds = long_run([ids], key).rounds[0]
+  return {"long": (long_run, [ids], key), "short": (short_run, [ids], key)}, rounds
+
+
 def round_seconds(target, drafter, ids, cfg, repeats=3) -> tuple[float, int]:
   """Seconds per round of a whole decode, all its rounds in one jitted `while_loop`, and the
   rounds: (decode of `cfg.max_new_tokens` tokens - decode of 1) / rounds, so prefill cancels.
@@ -354,19 +368,14 @@ def round_seconds(target, drafter, ids, cfg, repeats=3) -> tuple[float, int]:
 
   EOS is disabled so every run decodes exactly that many tokens.
   """
-  if cfg.max_new_tokens < 2:
-    raise ValueError(f"timing rounds needs max_new_tokens >= 2, got {cfg.max_new_tokens}")
-  key = jax.random.key(0)
-  cfg = dataclasses.replace(cfg, eos_ids=())
-  long_run = OurMethod(target, drafter, cfg, 0)
-  short_run = OurMethod(target, drafter, dataclasses.replace(cfg, max_new_tokens=1), 0)
-  rounds = long_run([ids], key).rounds[0]  # and compile
-  short_run([ids], key)
-  long_s, short_s = [], []
+  calls, rounds = _decode_runs(target, drafter, ids, cfg)
+  short_run, *args = calls["short"]
+  short_run(*args)  # compiles
+  seconds = {name: [] for name in calls}
   for _ in range(repeats):
-    for run, seconds in ((long_run, long_s), (short_run, short_s)):
-      seconds.append(timed(run, [ids], key)[1])
-  return (min(long_s) - min(short_s)) / rounds, rounds
+    for name, (run, *args) in calls.items():
+      seconds[name].append(timed(run, *args)[1])
+  return (min(seconds["long"]) - min(seconds["short"])) / rounds, rounds
 
 
 def step_profile(target, ids, cfg, steps=64, turns=7) -> dict:
@@ -381,14 +390,11 @@ def step_profile(target, ids, cfg, steps=64, turns=7) -> dict:
   weight_bytes = sum(x.nbytes for x in jax.tree.leaves(target.params))
   if not target.cfg.tie_embeddings:
     weight_bytes -= target.params["embedding"].nbytes
-  key = jax.random.key(0)
-  cfg = dataclasses.replace(cfg, eos_ids=(), max_new_tokens=steps + 1)
-  long_run = OurMethod(target, None, cfg, 0)
-  short_run = OurMethod(target, None, dataclasses.replace(cfg, max_new_tokens=1), 0)
-  rounds = long_run([ids], key).rounds[0]
+  decodes, rounds = _decode_runs(
+    target, None, ids, dataclasses.replace(cfg, max_new_tokens=steps + 1)
+  )
   readers, read_bytes = _readers(weight_bytes)
-  calls = {"long": (long_run, [ids], key), "short": (short_run, [ids], key), **readers}
-  times = interleaved_times(calls, turns)
+  times = interleaved_times({**decodes, **readers}, turns)
   step_ms = [(a - b) / rounds for a, b in zip(times["long"], times["short"], strict=True)]
   read_ms = [min(t) for t in zip(*(times[name] for name in readers), strict=True)]
   floor_ms = [t * weight_bytes / read_bytes for t in read_ms]
