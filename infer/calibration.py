@@ -73,12 +73,14 @@ def default_path() -> str:
 
 def machine_key(target, batch: int) -> str:
   """The calibration's key: device kind, target, dtype, batch size, and for panel weights
-  what runs them (the CPU kernels or XLA's path cost very differently)."""
+  what runs them (the CPU kernels or XLA's path cost very differently; a rebuilt kernel, e.g.
+  after its source changed, is measured again)."""
   device = jax.devices()[0]
   dtype = np.dtype(target.cfg.dtype).name
   key = f"{device.platform}:{device.device_kind}|{target.cfg.name}|{dtype}|batch={batch}"
   if target.cfg.weight_layout == "panels":
-    key += f"|panels: {cpu_kernel.describe()}"
+    build = cpu_kernel.build_id()
+    key += f"|panels: {cpu_kernel.describe()}" + (f" build {build}" if build else "")
   return key
 
 

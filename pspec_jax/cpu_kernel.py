@@ -164,6 +164,14 @@ def describe() -> str:
   return f"CPU kernels ({isa}, {threads} threads)"
 
 
+def build_id() -> str:
+  """Which build of the kernel runs ("" where none does): its source, compiler and flags,
+  hashed. Costs timed with one build do not hold for another (`infer.calibration`)."""
+  if not available():
+    return ""
+  return os.path.basename(library_path()).removeprefix("cpu_kernels-").removesuffix(".so")
+
+
 def matmul(x_MK: jax.Array, w_PKC: jax.Array, n: int) -> jax.Array:
   """x @ W with the kernel: [M, K] x [P, K, 64] (float32 or bfloat16) -> [M, n] float32.
 

@@ -91,6 +91,11 @@ def test_costs_are_measured_again_when_the_machine_key_changes(
   machines = json.loads((tmp_path / "costs.json").read_text())["machines"]
   assert sum("|panels: CPU kernels (" in k for k in machines) == 1
   assert sum("|panels: XLA" in k for k in machines) == 1
+  if cpu_kernel.available():  # another build of the kernel (its source changed): measured again
+    assert f" build {cpu_kernel.build_id()}" in next(k for k in machines if "CPU kernels" in k)
+    monkeypatch.setattr(cpu_kernel, "build_id", lambda: "0123456789abcdef")
+    costs(packed, tmp_path)
+    assert len(fake_measure) == 8
 
 
 def test_sampled_rounds_are_timed_apart_from_greedy_ones(target, tmp_path, fake_measure):
