@@ -71,8 +71,9 @@ def _compiler() -> str | None:
   return shutil.which(cxx) if cxx else shutil.which("g++") or shutil.which("c++")
 
 
-def library_path() -> str | None:
-  """Where this machine's build of the kernel lives (None: no C++ compiler found)."""
+def _build_hash() -> str | None:
+  """The build's identity: source, compiler, XLA's FFI headers and flags, hashed (None: no C++
+  compiler found)."""
   cxx = _compiler()
   if cxx is None:
     return None
@@ -80,7 +81,15 @@ def library_path() -> str | None:
   key = hashlib.sha256()
   for part in (_source(), version.encode(), jax.ffi.include_dir().encode(), str(_FLAGS).encode()):
     key.update(part)
-  return os.path.join(pspec_jax.cache_dir("kernels"), f"cpu_kernels-{key.hexdigest()[:16]}.so")
+  return key.hexdigest()[:16]
+
+
+def library_path() -> str | None:
+  """Where this machine's build of the kernel lives (None: no C++ compiler found)."""
+  build = _build_hash()
+  if build is None:
+    return None
+  return os.path.join(pspec_jax.cache_dir("kernels"), f"cpu_kernels-{build}.so")
 
 
 def build() -> str:
@@ -167,9 +176,7 @@ def describe() -> str:
 def build_id() -> str:
   """Which build of the kernel runs ("" where none does): its source, compiler and flags,
   hashed. Costs timed with one build do not hold for another (`infer.calibration`)."""
-  if not available():
-    return ""
-  return os.path.basename(library_path()).removeprefix("cpu_kernels-").removesuffix(".so")
+  return _build_hash() if available() else ""
 
 
 def matmul(x_MK: jax.Array, w_PKC: jax.Array, n: int) -> jax.Array:
