@@ -19,7 +19,7 @@ import pytest
 from pspec_jax import cpu_kernel, layers, llama, panels, testing
 
 # M rows, K inputs, N outputs: N and K on and off multiples of the 64-column panel and of the
-# kernel's 128-row blocks, every M up to 16 and the most rows the kernel takes.
+# kernel's 64-row blocks, every M up to 16 and the most rows the kernel takes.
 SHAPES = [(m, 96 + 37 * m, 50 + 61 * m) for m in range(1, 17)]
 SHAPES += [(4, 576, 192), (6, 1536, 576), (cpu_kernel.MAX_ROWS, 129, 130), (3, 1, 1)]
 
