@@ -191,14 +191,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = "configs/smollm2_135m.py:smoke"
 
 
-def cli_env() -> dict:
-  """The environment of a program a test starts: the CPU, XLA's default flags, no hub. Every
-  program it compiles goes to the persistent compilation cache, not only those that took a
-  second or more: the next program finds them there (a real-model run 11.4 s instead of 12.5)."""
+def cli_env(devices: int = 1) -> dict:
+  """The environment of a program a test starts: the CPU (`devices` of them), XLA's default
+  flags, no hub. Every program it compiles goes to the persistent compilation cache, not only
+  those that took a second or more: the next program finds them there (a real-model run 11.4 s
+  instead of 12.5)."""
   return dict(
     os.environ,
     JAX_PLATFORMS="cpu",
-    XLA_FLAGS="",
+    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}" if devices > 1 else "",
     HF_HUB_OFFLINE="1",
     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
   )

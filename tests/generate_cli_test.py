@@ -8,19 +8,17 @@ import sys
 
 import pytest
 
-from pspec_jax import checkpoints
+from pspec_jax import checkpoints, testing
 from pspec_jax import prompts as prompts_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_cli(*flags, timeout=300, devices=1):
-  xla = f"--xla_force_host_platform_device_count={devices}" if devices > 1 else ""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla)
   return subprocess.run(
     [sys.executable, "-m", "infer.generate", *flags],
     cwd=ROOT,
-    env=env,
+    env=testing.cli_env(devices),
     capture_output=True,
     text=True,
     timeout=timeout,

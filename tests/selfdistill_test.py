@@ -57,9 +57,7 @@ def _command(out, *extra):
 def _run_processes(out, count, *extra, devices=1):
   """Runs `count` processes under jax.distributed (one plain process if count is 1), each with
   `devices` CPU devices; returns their (stdout, stderr)."""
-  env = testing.cli_env()
-  if devices > 1:
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  env = testing.cli_env(devices)
   if count == 1:
     result = subprocess.run(
       _command(out, *extra), cwd=testing.ROOT, env=env, capture_output=True, text=True
