@@ -141,9 +141,7 @@ def main() -> None:
   if FLAGS.temperature < 0:
     raise ValueError(f"--temperature must be >= 0, got {FLAGS.temperature}")
   check_settings(records, FLAGS.answers, name, chat, FLAGS.temperature)
-  target = checkpoints.load_target(
-    FLAGS.target, scan_layers=False, untie_head=True, weight_layout="decode"
-  )
+  target = checkpoints.load_target(FLAGS.target, weight_layout="decode")
   drafter = drafter_files.resolve_drafter(FLAGS.method, FLAGS.drafter, target).with_head(target)
   sampling = SamplingConfig(temperature=FLAGS.temperature)
   agree, loops, overlap, rounds, accepted = [], [], [], 0, 0

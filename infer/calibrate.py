@@ -34,8 +34,6 @@ def main():
     FLAGS.target,
     dtype=dtype,
     param_dtype=dtype,
-    scan_layers=False,
-    untie_head=True,
     weight_layout="decode",
   )
   # Sampled rounds are timed apart from greedy ones (the temperature itself costs nothing).

@@ -61,9 +61,7 @@ def main() -> None:
   tokenizer = checkpoints.load_tokenizer(FLAGS.target)
   chat = FLAGS.chat if FLAGS.chat is not None else tokenizer.chat_template is not None
   encoded = [prompts_lib.encode_prompt(tokenizer, p, chat) for p in prompts]
-  target = checkpoints.load_target(
-    FLAGS.target, scan_layers=False, untie_head=True, weight_layout="decode", mesh=mesh
-  )
+  target = checkpoints.load_target(FLAGS.target, weight_layout="decode", mesh=mesh)
   drafter = drafter_files.resolve_drafter(
     FLAGS.method, FLAGS.drafter, target, seed=FLAGS.seed, num_draft=FLAGS.num_draft or 4
   )

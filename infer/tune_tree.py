@@ -218,9 +218,7 @@ def main():
     count=FLAGS.num_prompts,
     max_tokens=FLAGS.max_prompt_tokens,
   )
-  target = checkpoints.load_target(
-    FLAGS.target, scan_layers=False, untie_head=True, weight_layout="decode"
-  )
+  target = checkpoints.load_target(FLAGS.target, weight_layout="decode")
   drafter = drafter_files.resolve_drafter(
     FLAGS.method, directory, target, num_draft=FLAGS.num_draft
   )

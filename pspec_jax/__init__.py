@@ -1,7 +1,7 @@
 """pspec_jax: ParallelSpec speculative decoding for Llama-family targets in JAX/Flax.
 
   import pspec_jax as pj
-  target = pj.load_target("smollm2-135m-instruct", scan_layers=False, weight_layout="decode")
+  target = pj.load_target("smollm2-135m-instruct", weight_layout="decode")
   drafter = pj.resolve_drafter("pspec", None, target)  # or None: plain decoding
   out = pj.generate(target, prompt_tokens, prompt_lengths, jax.random.key(0),
                     pj.DecodeConfig(max_new_tokens=64), drafter)

@@ -85,23 +85,26 @@ def load_target(
   *,
   dtype=jnp.float32,
   param_dtype=jnp.float32,
-  scan_layers: bool = True,
-  untie_head: bool = False,
+  scan_layers: bool | None = None,
+  untie_head: bool | None = None,
   weight_layout: str = "plain",
   mesh: Mesh | None = None,
 ) -> Target:
   """Loads a target by name, HF directory or .gguf path. One ValueError for any bad input.
 
-  `scan_layers=False` gives per-layer parameters (see `LlamaConfig.scan_layers`), the faster
-  layout for decoding on CPU. `untie_head=True` stores a tied LM head as its own [D, V] copy
-  of the embedding (one more V x D array): XLA:CPU reads that layout faster when the target
-  verifies several tokens. With a
-  `mesh`, every tensor goes straight from the file to its shards (`sharding.RULES`), so the
-  host never holds more than one layer. `weight_layout` stores the dense weights as
-  `LlamaConfig.weight_layout` says; "decode" is the layout that decodes fastest on this
-  device with this mesh (`decode_layout`).
+  `weight_layout="decode"` loads it as decoding reads it fastest on this device with this mesh:
+  the dense weights in `decode_layout`'s layout, per-layer parameters (not scanned) and a tied
+  LM head stored as its own [D, V] copy of the embedding (one more V x D array; on a CPU a
+  plain decoding step took 20.6 ms with it against 23.1 ms without). Otherwise (the training
+  layout, "plain") the layers are scanned and a tied head stays tied. `scan_layers` and
+  `untie_head` override either choice (see `LlamaConfig.scan_layers`). With a `mesh`, every
+  tensor goes straight from the file to its shards (`sharding.RULES`), so the host never holds
+  more than one layer.
   """
-  if weight_layout == "decode":
+  decoding = weight_layout == "decode"
+  scan_layers = not decoding if scan_layers is None else scan_layers
+  untie_head = decoding if untie_head is None else untie_head
+  if decoding:
     weight_layout = decode_layout(mesh)
   if weight_layout not in panels.LAYOUTS:
     raise ValueError(

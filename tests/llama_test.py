@@ -49,6 +49,27 @@ def test_untie_head_gives_the_same_model_with_its_own_lm_head(tmp_path, name):
   np.testing.assert_array_equal(target.head_rows(ids), tied.head_rows(ids))
 
 
+def test_the_decode_layout_loads_per_layer_weights_and_an_untied_head(tmp_path):
+  testing.save_hf_llama(tmp_path, **testing.HF_CONFIGS["mha_tied"])
+  layout = checkpoints.decode_layout()
+  decoding = checkpoints.load_target(str(tmp_path), weight_layout="decode")
+  assert not decoding.cfg.scan_layers and not decoding.cfg.tie_embeddings
+  assert decoding.cfg.weight_layout == layout
+  training = checkpoints.load_target(str(tmp_path))
+  assert training.cfg.scan_layers and training.cfg.tie_embeddings
+  assert training.cfg.weight_layout == "plain"
+  # Either choice can be overridden.
+  scanned = checkpoints.load_target(
+    str(tmp_path), weight_layout="decode", scan_layers=True, untie_head=False
+  )
+  assert scanned.cfg.scan_layers and scanned.cfg.tie_embeddings
+  assert scanned.cfg.weight_layout == layout
+  tokens = np.random.default_rng(4).integers(0, 96, (1, 12))
+  np.testing.assert_allclose(
+    full_forward_logits(decoding, tokens), full_forward_logits(training, tokens), atol=1e-5, rtol=0
+  )
+
+
 def test_bfloat16_checkpoint_loads(tmp_path):
   testing.save_hf_llama(tmp_path, dtype=torch.bfloat16, **testing.HF_CONFIGS["gqa_untied"])
   target = checkpoints.load_target(str(tmp_path))
