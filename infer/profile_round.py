@@ -158,7 +158,7 @@ def main():
     f"memory-bandwidth floor {step['bandwidth_floor_ms']:.2f} ms "
     f"({step['weight_bytes'] / 1e9:.2f} GB of weights / measured read bandwidth "
     f"{step['weight_bytes'] / step['bandwidth_floor_ms'] / 1e6:.0f} GB/s): "
-    f"ratio {step['step_over_floor']:.2f}."
+    f"step / floor {step['step_over_floor']:.2f}, the median of each timing turn's own ratio."
   )
 
 

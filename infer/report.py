@@ -132,7 +132,8 @@ def report(results: dict) -> str:
       "",
       f"`none` decode step {meta['decode_step_ms']:.1f} ms; memory-bandwidth floor "
       f"{meta['bandwidth_floor_ms']:.1f} ms ({meta['weight_bytes'] / 1e6:.0f} MB of weights / "
-      f"measured read bandwidth): ratio {meta['step_over_floor']:.2f}.",
+      f"measured read bandwidth); step / floor {meta['step_over_floor']:.2f}, the median of "
+      "each timing turn's own ratio (the two times are medians over the turns apart).",
     ]
   return "\n".join(lines) + "\n"
 
