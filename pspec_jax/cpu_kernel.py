@@ -71,9 +71,11 @@ def _compiler() -> str | None:
   return shutil.which(cxx) if cxx else shutil.which("g++") or shutil.which("c++")
 
 
+@functools.cache
 def _build_hash() -> str | None:
   """The build's identity: source, compiler, XLA's FFI headers and flags, hashed (None: no C++
-  compiler found)."""
+  compiler found). Once per process, as the library itself is loaded once (`_library`): the id
+  `build_id` reports is the loaded build's, with no compiler run per call."""
   cxx = _compiler()
   if cxx is None:
     return None

@@ -1,7 +1,6 @@
 """`python -m infer.generate` as a user runs it: JSON output, prompt files, and bad input."""
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -11,13 +10,11 @@ import pytest
 from pspec_jax import checkpoints, testing
 from pspec_jax import prompts as prompts_lib
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def run_cli(*flags, timeout=300, devices=1):
   return subprocess.run(
     [sys.executable, "-m", "infer.generate", *flags],
-    cwd=ROOT,
+    cwd=testing.ROOT,
     env=testing.cli_env(devices),
     capture_output=True,
     text=True,
