@@ -23,7 +23,14 @@ The estimates are exponential moving averages over rounds in which the node was 
 (`DECAY` per round). A node left out of a round drifts (`DRIFT` per round) back toward its
 long-run rate: a slower average over the same rounds (`LONG_RUN` per round), which starts at the
 node's prior and, while the node is left out, itself drifts back toward that prior (`LONG_DRIFT`
-per round). So a candidate dropped after a run of misses is tried again a few rounds later, and
+per round). For a drafted node that average is the mean of its verified rounds until there are
+1 / `LONG_RUN` of them, the prior counted as `PRIOR_ROUNDS` rounds: an answer is about a hundred
+rounds, and the rank priors (one set for every drafter and temperature) sit far above what some
+drafters reach (eagle's and medusa's drafts at T = 1), which kept them drafting through a third to
+half of an answer's rounds. A lookup chain's rate swings between answers and within one (a
+copied line, then none), so its long-run rate keeps the slow average.
+
+So a candidate dropped after a run of misses is tried again a few rounds later, and
 kept if its drafts are accepted once more; one whose drafts are rarely accepted over the answer
 is tried again only after its long-run rate has climbed back past its cost (about every
 20 rounds for a node accepted a tenth of the time). Without that last drift, dropping a
@@ -49,6 +56,7 @@ __all__ = [
   "DRIFT",
   "LONG_DRIFT",
   "LONG_RUN",
+  "PRIOR_ROUNDS",
   "Stats",
   "check_costs",
   "choose",
@@ -65,6 +73,7 @@ DECAY = 0.2  # weight of the newest verified round in a node's estimate
 DRIFT = 0.1  # per round, how far an unverified node's estimate moves back toward its long run
 LONG_RUN = 0.05  # weight of the newest verified round in a node's long-run rate
 LONG_DRIFT = 0.005  # per round, how far an unverified node's long-run rate moves to its prior
+PRIOR_ROUNDS = 4.0  # the prior weighs as much as this many verified rounds in the long-run rate
 LOOKUP_PRIOR = 0.6  # prior of lookup node j: LOOKUP_PRIOR ** (j + 1)
 # The cost model of `default_costs` (no calibration): a round with the root alone is 1.
 DEFAULT_NODE_COST = 0.1  # each verified node past the root
@@ -81,6 +90,7 @@ class Stats:
   lookup: jax.Array  # [B, L] l(j)
   drafted_long: jax.Array  # [B, 2, Md - 1] the long-run rates the estimates drift back to
   lookup_long: jax.Array  # [B, L]
+  drafted_rounds: jax.Array  # [B, 2, Md - 1] float32 rounds that verified each drafted node
   chosen: jax.Array  # [C] int32 rounds verified with each candidate
   costs: jax.Array  # [2, C] a round's cost with each candidate, without / with its lookup chain
 
@@ -124,6 +134,7 @@ def init_stats(pool: tree_lib.Tree, batch: int, costs: tuple[tuple[float, float]
     lookup=lookup,
     drafted_long=drafted,
     lookup_long=lookup,
+    drafted_rounds=jnp.zeros_like(drafted),
     chosen=jnp.zeros((len(pool.candidates),), jnp.int32),
     costs=jnp.asarray(costs, jnp.float32).T,
   )
@@ -216,22 +227,33 @@ def observe(
   table_B2 = jnp.stack([~with_lookup, with_lookup], axis=1)
   seen = reach[:, None, 1:drafted] & table_B2[:, :, None]
 
-  def update(old, long, prior, seen, hit):
-    """(estimate, long-run rate) after the round: both move toward the outcome where the node
-    was verified; elsewhere the estimate drifts toward the long-run rate, and that, slowly,
-    toward the prior."""
+  def update(old, long, rounds, prior, seen, hit):
+    """(estimate, long-run rate, rounds) after the round: both rates move toward the outcome
+    where the node was verified; elsewhere the estimate drifts toward the long-run rate, and
+    that, slowly, toward the prior. A drafted node's long-run rate is the mean of its first
+    verified rounds (and `PRIOR_ROUNDS` of the prior); a lookup node's (`rounds` None) an
+    average moving `LONG_RUN` per round from the start."""
     hit = hit.astype(jnp.float32)
     active = active_B.reshape(active_B.shape + (1,) * (old.ndim - 1))
+    weight = LONG_RUN
+    if rounds is not None:
+      weight = jnp.maximum(LONG_RUN, 1.0 / (PRIOR_ROUNDS + rounds + 1.0))
+      rounds = jnp.where(active, rounds + seen.astype(jnp.float32), rounds)
     new = jnp.where(seen, old + DECAY * (hit - old), old + DRIFT * (long - old))
-    new_long = jnp.where(seen, long + LONG_RUN * (hit - long), long + LONG_DRIFT * (prior - long))
-    return jnp.where(active, new, old), jnp.where(active, new_long, long)
+    new_long = jnp.where(seen, long + weight * (hit - long), long + LONG_DRIFT * (prior - long))
+    return jnp.where(active, new, old), jnp.where(active, new_long, long), rounds
 
   prior_u, prior_j = _priors(pool)
-  drafted_u, drafted_long = update(
-    stats.drafted, stats.drafted_long, prior_u, seen, on_path[:, None, 1:drafted]
+  drafted_u, drafted_long, drafted_rounds = update(
+    stats.drafted,
+    stats.drafted_long,
+    stats.drafted_rounds,
+    prior_u,
+    seen,
+    on_path[:, None, 1:drafted],
   )
-  lookup_j, lookup_long = update(
-    stats.lookup, stats.lookup_long, prior_j, reach[:, drafted:], on_path[:, drafted:]
+  lookup_j, lookup_long, _ = update(
+    stats.lookup, stats.lookup_long, None, prior_j, reach[:, drafted:], on_path[:, drafted:]
   )
   any_active = jnp.any(active_B).astype(jnp.int32)
   return stats.replace(
@@ -239,6 +261,7 @@ def observe(
     lookup=lookup_j,
     drafted_long=drafted_long,
     lookup_long=lookup_long,
+    drafted_rounds=drafted_rounds,
     chosen=stats.chosen.at[stats.choice].add(any_active),
   )
 
