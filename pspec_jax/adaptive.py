@@ -19,16 +19,16 @@ so a chain that is found often but rarely accepted (chat text) is left out rathe
 every round. Ties go to the root alone and to no chain, so speculation runs only where it is
 expected to pay.
 
-The estimates are exponential moving averages over rounds in which the node was verified
-(`DECAY` per round). A node left out of a round drifts (`DRIFT` per round) back toward its
-long-run rate: a slower average over the same rounds (`LONG_RUN` per round), which starts at the
-node's prior and, while the node is left out, itself drifts back toward that prior (`LONG_DRIFT`
-per round). For a drafted node that average is the mean of its verified rounds until there are
-1 / `LONG_RUN` of them, the prior counted as `PRIOR_ROUNDS` rounds: an answer is about a hundred
-rounds, and the rank priors (one set for every drafter and temperature) sit far above what some
-drafters reach (eagle's and medusa's drafts at T = 1), which kept them drafting through a third to
-half of an answer's rounds. A lookup chain's rate swings between answers and within one (a
-copied line, then none), so its long-run rate keeps the slow average.
+The estimates are exponential moving averages over rounds in which the node was verified (`DECAY`
+per round). A node left out of a round drifts (`DRIFT` per round) back toward its long-run rate: a
+slower average over the same rounds (`LONG_RUN` per round), which starts at the node's prior and,
+while the node is left out, itself drifts back toward that prior (`LONG_DRIFT` per round). For a
+drafted node that average is the mean of its verified rounds, the prior counted as `PRIOR_ROUNDS`
+rounds, until the two make 1 / `LONG_RUN` (16 verified rounds): an answer is about a hundred rounds,
+and the rank priors (one set for every drafter and temperature) sit far above what some drafters
+reach (eagle's and medusa's drafts at T = 1), which kept them drafting through a third to half of an
+answer's rounds. A lookup chain's rate swings between answers and within one (a copied line, then
+none), so its long-run rate keeps the slow average.
 
 So a candidate dropped after a run of misses is tried again a few rounds later, and
 kept if its drafts are accepted once more; one whose drafts are rarely accepted over the answer
@@ -238,7 +238,7 @@ def observe(
     weight = LONG_RUN
     if rounds is not None:
       weight = jnp.maximum(LONG_RUN, 1.0 / (PRIOR_ROUNDS + rounds + 1.0))
-      rounds = jnp.where(active, rounds + seen.astype(jnp.float32), rounds)
+      rounds = jnp.where(active, rounds + seen, rounds)
     new = jnp.where(seen, old + DECAY * (hit - old), old + DRIFT * (long - old))
     new_long = jnp.where(seen, long + weight * (hit - long), long + LONG_DRIFT * (prior - long))
     return jnp.where(active, new, old), jnp.where(active, new_long, long), rounds
