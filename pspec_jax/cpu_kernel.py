@@ -21,7 +21,8 @@ first use builds it where a compiler exists), kept under `pspec_jax.cache_dir("k
 keyed by its source, the compiler and JAX's FFI headers. Where it cannot be built, or with
 `PSPEC_JAX_CPU_KERNEL=off`, `panels.matmul` takes its pure-JAX path, and everything still runs.
 Environment: `PSPEC_JAX_CPU_KERNEL_THREADS` (default: the usable cores, at most 8) and
-`PSPEC_JAX_CPU_KERNEL_ISA=portable` (the C++ path instead of AVX2 + FMA; for tests).
+`PSPEC_JAX_CPU_KERNEL_ISA` (`avx2`: not AVX-512 where the CPU has it; `portable`: the C++ path
+instead of either; for tests and comparisons).
 """
 
 import contextlib

@@ -175,6 +175,39 @@ def test_the_portable_path_and_one_thread_give_the_same_products():
   assert out == "CPU kernels (portable, 1 threads) True"
 
 
+_PRODUCTS = textwrap.dedent(
+  """
+  import sys, jax, jax.numpy as jnp, numpy as np
+  from pspec_jax import cpu_kernel, panels
+  rng = np.random.default_rng(3)
+  out = {"isa": np.array(cpu_kernel.describe())}
+  for m, k, n, dt in ((1, 576, 192, jnp.float32), (7, 300, 130, jnp.bfloat16),
+                      (13, 1536, 576, jnp.float32), (16, 129, 64, jnp.bfloat16)):
+    w = panels.pack(jnp.asarray(rng.standard_normal((k, n)), dt))
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    out[f"{m}"] = np.asarray(jax.jit(cpu_kernel.matmul, static_argnums=2)(x, w, n))
+  np.savez(sys.argv[1], **out)
+  """
+)
+
+
+def test_the_avx512_and_avx2_paths_give_the_same_bits(tmp_path):
+  # One fused multiply-add per k in k order on both: a calibration or a decode on either
+  # instruction set computes the same products.
+  got = {}
+  for isa in ("", "avx2"):
+    path = tmp_path / f"{isa or 'default'}.npz"
+    env = testing.cli_env() | {"PSPEC_JAX_CPU_KERNEL_ISA": isa}
+    done = subprocess.run([sys.executable, "-c", _PRODUCTS, path], env=env, timeout=300)
+    assert done.returncode == 0
+    got[isa] = dict(np.load(path))
+  if "(avx512," not in str(got[""].pop("isa")):
+    pytest.skip("this CPU has no AVX-512: both runs took the same path")
+  assert "(avx2," in str(got["avx2"].pop("isa"))
+  for m, product in got["avx2"].items():
+    np.testing.assert_array_equal(got[""][m], product)
+
+
 def test_turned_off_panel_products_take_xla_and_stay_right():
   out, _ = _run(PSPEC_JAX_CPU_KERNEL="off")
   assert out == "XLA (no CPU kernels) False"
