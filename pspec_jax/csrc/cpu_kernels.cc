@@ -133,33 +133,6 @@ __attribute__((target("avx2,fma"))) inline void rest_avx2(
   }
 }
 
-template <typename W>
-__attribute__((target("avx2,fma"))) void panel_avx2(const Problem& p, int64_t panel) {
-  const W* wp = static_cast<const W*>(p.w) + panel * p.k * kWidth;
-  alignas(32) float acc[kMaxRows * kWidth];
-  std::memset(acc, 0, sizeof(float) * p.m * kWidth);
-  for (int64_t k0 = 0; k0 < p.k; k0 += kBlockK) {
-    const int64_t k1 = std::min(k0 + kBlockK, p.k);
-    // Row 0 reads the block in order, whole rows of the panel (a sequential stream the
-    // hardware prefetcher follows); the other rows find it in cache.
-    Ahead none{nullptr, nullptr};
-    tile_avx2<W, 1, 8>(p.x, p.k, wp, k0, k1, 0, acc, none);
-    // Their tiles ask memory for the next block meanwhile, a line per step: left to the
-    // hardware, memory would idle while they compute (measured: 20-25% of the time at 4-16
-    // rows). The lines go to the outer caches (prefetcht2), where row 0 finds them: fetched
-    // into L1 (prefetcht0) the next block evicts the one the tiles are reading, and 6 to
-    // 12 rows took 15-25% longer on a 2-core AVX2 machine.
-    const int64_t k2 = std::min(k1 + kBlockK, p.k);
-    Ahead ahead{reinterpret_cast<const char*>(wp + k1 * kWidth),
-                reinterpret_cast<const char*>(wp + k2 * kWidth)};
-    int64_t r = 1;
-    for (; r + 6 <= p.m; r += 6)
-      rows_avx2<W, 6, 2>(p.x + r * p.k, p.k, wp, k0, k1, acc + r * kWidth, ahead);
-    rest_avx2<W>(p.m - r, p.x + r * p.k, p.k, wp, k0, k1, acc + r * kWidth, ahead);
-  }
-  const int64_t c0 = panel * kWidth, cols = std::min(kWidth, p.n - c0);
-  for (int64_t r = 0; r < p.m; ++r) std::memcpy(p.y + r * p.n + c0, acc + r * kWidth, cols * 4);
-}
 
 // ---------------------------------------------------------------------------------------
 // One panel, AVX-512 (32 vector registers of 16 floats): a tile is R rows across the whole
@@ -219,27 +192,75 @@ __attribute__((target("avx512f"))) inline void rest_avx512(
   }
 }
 
-// The AVX2 path's order of work (row 0 streams each block, the other rows prefetch the next).
-template <typename W>
-__attribute__((target("avx512f,avx2,fma"))) void panel_avx512(const Problem& p, int64_t panel) {
+// ---------------------------------------------------------------------------------------
+// One panel, either instruction set's tiles (`Tiles`: `first` is row 0's tile, `six` a group
+// of 6 rows, `rest` the last 0 to 5): a function per tile call, each block's worth of work
+// (64 k x up to 6 rows x 64 columns) is far more than a call costs.
+
+template <typename W, typename Tiles>
+void panel_blocks(const Problem& p, int64_t panel) {
   const W* wp = static_cast<const W*>(p.w) + panel * p.k * kWidth;
   alignas(64) float acc[kMaxRows * kWidth];
   std::memset(acc, 0, sizeof(float) * p.m * kWidth);
   for (int64_t k0 = 0; k0 < p.k; k0 += kBlockK) {
     const int64_t k1 = std::min(k0 + kBlockK, p.k);
-    Ahead none{nullptr, nullptr};
-    tile_avx2<W, 1, 8>(p.x, p.k, wp, k0, k1, 0, acc, none);
+    // Row 0 reads the block in order, whole rows of the panel (a sequential stream the
+    // hardware prefetcher follows); the other rows find it in cache.
+    Tiles::first(p.x, p.k, wp, k0, k1, acc);
+    // Their tiles ask memory for the next block meanwhile, a group of rows the whole block:
+    // left to the hardware, memory would idle while they compute (measured: 20-25% of the
+    // time at 4-16 rows). The lines go to the outer caches (prefetcht2), where row 0 finds
+    // them: fetched into L1 (prefetcht0) the next block evicts the one the tiles are reading,
+    // and 6 to 12 rows took 15-25% longer on a 2-core AVX2 machine.
     const int64_t k2 = std::min(k1 + kBlockK, p.k);
     Ahead ahead{reinterpret_cast<const char*>(wp + k1 * kWidth),
                 reinterpret_cast<const char*>(wp + k2 * kWidth)};
     int64_t r = 1;
     for (; r + 6 <= p.m; r += 6)
-      tile_avx512<W, 6>(p.x + r * p.k, p.k, wp, k0, k1, acc + r * kWidth, ahead);
-    rest_avx512<W>(p.m - r, p.x + r * p.k, p.k, wp, k0, k1, acc + r * kWidth, ahead);
+      Tiles::six(p.x + r * p.k, p.k, wp, k0, k1, acc + r * kWidth, ahead);
+    Tiles::rest(p.m - r, p.x + r * p.k, p.k, wp, k0, k1, acc + r * kWidth, ahead);
   }
   const int64_t c0 = panel * kWidth, cols = std::min(kWidth, p.n - c0);
   for (int64_t r = 0; r < p.m; ++r) std::memcpy(p.y + r * p.n + c0, acc + r * kWidth, cols * 4);
 }
+
+template <typename W>
+struct Avx2Tiles {
+  __attribute__((target("avx2,fma"))) static void first(const float* x, int64_t ldx, const W* wp,
+                                                       int64_t k0, int64_t k1, float* acc) {
+    Ahead none{nullptr, nullptr};
+    tile_avx2<W, 1, 8>(x, ldx, wp, k0, k1, 0, acc, none);
+  }
+  __attribute__((target("avx2,fma"))) static void six(const float* x, int64_t ldx, const W* wp,
+                                                     int64_t k0, int64_t k1, float* acc,
+                                                     Ahead& ahead) {
+    rows_avx2<W, 6, 2>(x, ldx, wp, k0, k1, acc, ahead);
+  }
+  __attribute__((target("avx2,fma"))) static void rest(int64_t rows, const float* x, int64_t ldx,
+                                                      const W* wp, int64_t k0, int64_t k1,
+                                                      float* acc, Ahead& ahead) {
+    rest_avx2<W>(rows, x, ldx, wp, k0, k1, acc, ahead);
+  }
+};
+
+// Row 0 takes the AVX2 tile: its pass is bound by memory, and the 512-bit tile was slower there.
+template <typename W>
+struct Avx512Tiles {
+  static void first(const float* x, int64_t ldx, const W* wp, int64_t k0, int64_t k1,
+                    float* acc) {
+    Avx2Tiles<W>::first(x, ldx, wp, k0, k1, acc);
+  }
+  __attribute__((target("avx512f"))) static void six(const float* x, int64_t ldx, const W* wp,
+                                                    int64_t k0, int64_t k1, float* acc,
+                                                    Ahead& ahead) {
+    tile_avx512<W, 6>(x, ldx, wp, k0, k1, acc, ahead);
+  }
+  __attribute__((target("avx512f"))) static void rest(int64_t rows, const float* x, int64_t ldx,
+                                                     const W* wp, int64_t k0, int64_t k1,
+                                                     float* acc, Ahead& ahead) {
+    rest_avx512<W>(rows, x, ldx, wp, k0, k1, acc, ahead);
+  }
+};
 
 #endif  // PSPEC_X86
 
@@ -294,8 +315,11 @@ Isa choose_isa() {
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (avx2 && !at_most_avx2 && __builtin_cpu_supports("avx512f"))
-    return {panel_avx512<float>, panel_avx512<uint16_t>, "avx512"};
-  if (avx2 && !portable) return {panel_avx2<float>, panel_avx2<uint16_t>, "avx2"};
+    return {panel_blocks<float, Avx512Tiles<float>>, panel_blocks<uint16_t, Avx512Tiles<uint16_t>>,
+            "avx512"};
+  if (avx2 && !portable)
+    return {panel_blocks<float, Avx2Tiles<float>>, panel_blocks<uint16_t, Avx2Tiles<uint16_t>>,
+            "avx2"};
 #endif
   return {panel_portable<float>, panel_portable<uint16_t>, "portable"};
 }
