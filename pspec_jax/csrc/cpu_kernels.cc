@@ -133,7 +133,6 @@ __attribute__((target("avx2,fma"))) inline void rest_avx2(
   }
 }
 
-
 // ---------------------------------------------------------------------------------------
 // Tiles, AVX-512 (32 vector registers of 16 floats): a tile is R rows across the whole panel
 // (4 vectors), so a weight vector is loaded once per k for R rows. The arithmetic per output
@@ -244,13 +243,10 @@ struct Avx2Tiles {
   }
 };
 
-// Row 0 takes the AVX2 tile: its pass is bound by memory, and the 512-bit tile was slower there.
+// Row 0 keeps the AVX2 tile (`first`, inherited): its pass is bound by memory, and the 512-bit
+// tile was slower there.
 template <typename W>
-struct Avx512Tiles {
-  static void first(const float* x, int64_t ldx, const W* wp, int64_t k0, int64_t k1,
-                    float* acc) {
-    Avx2Tiles<W>::first(x, ldx, wp, k0, k1, acc);
-  }
+struct Avx512Tiles : Avx2Tiles<W> {
   __attribute__((target("avx512f"))) static void six(const float* x, int64_t ldx, const W* wp,
                                                     int64_t k0, int64_t k1, float* acc,
                                                     Ahead& ahead) {
