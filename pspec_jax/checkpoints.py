@@ -18,7 +18,7 @@ from flax import traverse_util
 from jax.sharding import Mesh
 
 import pspec_jax
-from pspec_jax import llama, panels, sharding, weights
+from pspec_jax import cpu_kernel, llama, panels, sharding, weights
 from pspec_jax.llama import LlamaConfig, Target
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
   "TargetSource",
   "decode_layout",
   "eos_token_ids",
+  "keeps_gguf_blocks",
   "load_target",
   "load_target_config",
   "load_tokenizer",
@@ -95,11 +96,12 @@ def load_target(
   `weight_layout="decode"` loads it as decoding reads it fastest on this device with this mesh:
   the dense weights in `decode_layout`'s layout, per-layer parameters (not scanned) and a tied
   LM head stored as its own [D, V] copy of the embedding (one more V x D array; on a CPU a
-  plain decoding step took 20.6 ms with it against 23.1 ms without). Otherwise (the training
-  layout, "plain") the layers are scanned and a tied head stays tied. `scan_layers` and
-  `untie_head` override either choice (see `LlamaConfig.scan_layers`). With a `mesh`, every
-  tensor goes straight from the file to its shards (`sharding.RULES`), so the host never holds
-  more than one layer.
+  plain decoding step took 20.6 ms with it against 23.1 ms without); on a CPU with the kernel
+  a GGUF file's Q4_1 and Q8_0 weights stay in their blocks (`keeps_gguf_blocks`). Otherwise
+  (the training layout, "plain") the layers are scanned and a tied head stays tied.
+  `scan_layers` and `untie_head` override either choice (see `LlamaConfig.scan_layers`). With a
+  `mesh`, every tensor goes straight from the file to its shards (`sharding.RULES`), so the host
+  never holds more than one layer.
   """
   decoding = weight_layout == "decode"
   scan_layers = not decoding if scan_layers is None else scan_layers
@@ -126,7 +128,24 @@ def load_target(
   if mesh is not None and scan_layers:
     # Stacked on device from the per-layer shards; now laid out as the scanned tree's rules say.
     params = jax.device_put(params, sharding.param_shardings(llama.init_boxed, cfg, mesh))
-  return Target(cfg=cfg, params=params).with_weight_layout(weight_layout)
+  target = Target(cfg=cfg, params=params).with_weight_layout(weight_layout)
+  if decoding and source.kind == "gguf" and keeps_gguf_blocks(target.cfg, mesh):
+    target = target.replace(params=weights.gguf_block_panels(reader, cfg, target.params))
+  return target
+
+
+def keeps_gguf_blocks(cfg: LlamaConfig, mesh: Mesh | None = None) -> bool:
+  """Whether a GGUF target in this config keeps the file's Q4_1 and Q8_0 blocks as
+  block-quantised panels (`pspec_jax.panels`): where the CPU kernel multiplies them (float32
+  decoding in panels, per-layer parameters, no mesh). A decoding step then reads a fifth of the
+  bytes and computes bit for bit what it computes on the dequantised weights."""
+  return (
+    mesh is None
+    and cfg.weight_layout == "panels"
+    and not cfg.scan_layers
+    and jnp.dtype(cfg.dtype) == jnp.float32
+    and cpu_kernel.available()
+  )
 
 
 def decode_layout(mesh: Mesh | None = None) -> str:

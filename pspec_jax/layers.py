@@ -168,9 +168,13 @@ DENSE_AXES = {
 
 def dense_param(module, name, in_shape, out_shape, axes, cfg):
   """A dense weight declared in `cfg.weight_layout`: plain `in_shape + out_shape` with the
-  logical `axes`, or panels of the flattened [prod(in), prod(out)] matrix (never sharded)."""
+  logical `axes`, or panels of the flattened [prod(in), prod(out)] matrix (never sharded),
+  float or, as loaded from a GGUF file, block-quantised."""
   init = nn.initializers.normal(0.02)
   if cfg.weight_layout == "panels":
+    stored = module.get_variable("params", name)
+    if getattr(stored, "dtype", None) == jnp.uint8:
+      return stored  # block-quantised panels (`panels.pack_blocks`), whose shape is their own
     shape = panels.packed_shape(math.prod(in_shape), math.prod(out_shape))
     return param(module, name, init, shape, (None, None, None), cfg.param_dtype)
   return param(module, name, init, (*in_shape, *out_shape), axes, cfg.param_dtype)
@@ -221,7 +225,7 @@ def relayout(params: dict, layout: str, plain_shapes: dict) -> dict:
     if layout == "panels" and not is_panels:
       return panels.pack(w.reshape(*lead, k, n))
     if layout == "plain" and is_panels:
-      return panels.unpack(w, n).reshape(plain.shape)
+      return panels.unpack(panels.floats(w), n).reshape(plain.shape)
     return w
 
   return jax.tree_util.tree_map_with_path(move, params, plain_shapes)

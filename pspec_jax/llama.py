@@ -394,6 +394,9 @@ class Target:
     p = self.params
     if self.cfg.tie_embeddings:
       rows = p["embedding"][token_ids]
+    elif p["lm_head"].dtype == jnp.uint8:  # block-quantised: the panels of the rows, widened
+      w_VKC = panels.dequantize(p["lm_head"][token_ids // panels.WIDTH])
+      rows = jnp.take_along_axis(w_VKC, (token_ids % panels.WIDTH)[:, None, None], axis=2)[..., 0]
     elif self.cfg.weight_layout == "panels":  # column j of W is column j % 64 of panel j // 64
       rows = p["lm_head"][token_ids // panels.WIDTH, :, token_ids % panels.WIDTH]
     else:

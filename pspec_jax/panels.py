@@ -21,20 +21,47 @@ every product of up to 64 rows instead, streaming each panel once whatever the n
 The layout is a storage choice made when a model is loaded for decoding (`LAYOUTS`); training,
 sharded models and accelerators keep `plain`. `pack` and `unpack` convert between the two, on
 any leading (e.g. stacked-layer) axes.
+
+Block-quantised panels. A weight that a GGUF file stores in Q4_1 or Q8_0 blocks can stay in
+them: `pack_blocks` regroups the file's blocks into panels, `[P, K/32, B]` uint8 (`BLOCK_BYTES`:
+each 64 columns by 32 k carry their float scales and 4- or 8-bit values), a fifth of the float32
+panels' bytes. The CPU kernel widens each block in cache with GGUF's own arithmetic (d q + m,
+exact but for one rounding, as numpy's dequantisation rounds it) and multiplies it as it does a
+float32 panel; `dequantize` gives the same float32 panels in JAX, which every other path (a
+prefill, XLA without the kernel) multiplies. Either way a product equals, bit for bit, that of
+the float32 panels of the weight the file's dequantisation gives: the model is the same model.
 """
 
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from pspec_jax import cpu_kernel
 
-__all__ = ["LAYOUTS", "WIDTH", "matmul", "matmuls", "pack", "packed_shape", "unpack"]
+__all__ = [
+  "BLOCK_BYTES",
+  "LAYOUTS",
+  "WIDTH",
+  "dequantize",
+  "matmul",
+  "matmuls",
+  "pack",
+  "pack_blocks",
+  "packed_shape",
+  "unpack",
+]
 
 LAYOUTS = ("plain", "panels")
 WIDTH = 64
+QUANT_K = 32  # k per quantisation block
+# Bytes of one block-quantised panel block (64 columns by 32 k), by GGUF type: float32 scales d
+# (Q4_1: and minimums m), 64, then the values, 32 rows of 64 columns. Q4_1 packs two columns
+# in a byte: column c in the low nibble, c + 32 in the high one.
+BLOCK_BYTES = {"Q4_1": 2 * 4 * WIDTH + QUANT_K * WIDTH // 2, "Q8_0": 4 * WIDTH + QUANT_K * WIDTH}
+_GGUF_BLOCK_BYTES = {"Q4_1": 4 + QUANT_K // 2, "Q8_0": 2 + QUANT_K}  # a GGUF block of 32 weights
 
 
 def packed_shape(k: int, n: int) -> tuple[int, int, int]:
@@ -56,14 +83,69 @@ def unpack(w_PKC: jax.Array, n: int) -> jax.Array:
   return jnp.swapaxes(w_PKC, -3, -2).reshape(*lead, k, p * c)[..., :n]
 
 
+def pack_blocks(blocks: np.ndarray, kind: str, k: int, n: int) -> np.ndarray:
+  """A GGUF tensor's blocks (`kind` in `BLOCK_BYTES`) of a [K, N] weight, i.e. N rows of K/32
+  blocks of 32 weights along K, as block-quantised panels: [ceil(N / 64), K / 32, B] uint8,
+  zero columns padding the last panel."""
+  if kind not in BLOCK_BYTES:
+    raise ValueError(
+      f"no block-quantised panels for GGUF type {kind}: use one of {list(BLOCK_BYTES)}"
+    )
+  if k % QUANT_K:
+    raise ValueError(f"a {kind} weight's K must be a multiple of {QUANT_K}, got {k}")
+  nb, p = k // QUANT_K, math.ceil(n / WIDTH)
+  b = np.asarray(blocks, np.uint8).reshape(n, nb, _GGUF_BLOCK_BYTES[kind])
+  b = np.pad(b, ((0, p * WIDTH - n), (0, 0), (0, 0)))  # padding: d = m = q = 0, weight 0
+
+  def panelled(x):  # [P * 64, nb, ...] -> [P, nb, ..., 64]
+    x = x.reshape(p, WIDTH, nb, *x.shape[2:])
+    return np.moveaxis(x, 1, -1)
+
+  def f32_bytes(h):  # float16 [P*64, nb, 2] bytes -> float32 scales [P, nb, 64], as bytes
+    f = np.ascontiguousarray(h).view(np.float16)[..., 0].astype(np.float32)
+    return np.ascontiguousarray(panelled(f)).view(np.uint8)
+
+  if kind == "Q4_1":
+    qs = b[..., 4:]  # element j in the low nibble of byte j, element j + 16 in the high one
+    q = panelled(np.concatenate([qs & 15, qs >> 4], axis=-1))  # [P, nb, 32 k, 64 c]
+    values = q[..., : WIDTH // 2] | (q[..., WIDTH // 2 :] << 4)
+    parts = [f32_bytes(b[..., 0:2]), f32_bytes(b[..., 2:4]), values]
+  else:
+    parts = [f32_bytes(b[..., 0:2]), panelled(b[..., 2:])]
+  return np.concatenate([x.reshape(p, nb, -1) for x in parts], axis=-1)
+
+
+def dequantize(w_PBQ: jax.Array) -> jax.Array:
+  """Block-quantised panels [..., P, K/32, B] uint8 -> float32 panels [..., P, K, 64], the
+  weights GGUF's dequantisation gives, bit for bit (d q is exact; d q + m rounds once)."""
+  *lead, nb, size = w_PBQ.shape
+  kind = {v: t for t, v in BLOCK_BYTES.items()}[size]
+  scales = lambda i: lax.bitcast_convert_type(
+    w_PBQ[..., 4 * WIDTH * i : 4 * WIDTH * (i + 1)].reshape(*lead, nb, 1, WIDTH, 4), jnp.float32
+  )
+  if kind == "Q4_1":
+    q = w_PBQ[..., 8 * WIDTH :].reshape(*lead, nb, QUANT_K, WIDTH // 2)
+    q = jnp.concatenate([q & 15, q >> 4], axis=-1).astype(jnp.float32)
+    w = scales(0) * q + scales(1)
+  else:
+    q = lax.bitcast_convert_type(w_PBQ[..., 4 * WIDTH :], jnp.int8)
+    w = scales(0) * q.reshape(*lead, nb, QUANT_K, WIDTH).astype(jnp.float32)
+  return w.reshape(*lead, nb * QUANT_K, WIDTH)
+
+
+def floats(w: jax.Array) -> jax.Array:
+  """Panels in a float dtype: block-quantised ones dequantised, others as they are."""
+  return dequantize(w) if w.dtype == jnp.uint8 else w
+
+
 def matmul(x_XK: jax.Array, w_PKC: jax.Array, n: int, dtype=None, preferred_element_type=None):
   """x @ W for W stored as panels: [..., K] x [P, K, 64] -> [..., n], computed in `dtype`
   (default: x's), the result in `preferred_element_type` (default: `dtype`).
 
-  On a CPU where the panel kernel is built (`pspec_jax.cpu_kernel`: float32 or bfloat16
-  weights, float32 arithmetic), up to `cpu_kernel.MAX_ROWS` rows go to it and more rows (a
-  prefill) to XLA's GEMM on the unpacked weight; without it, and on every other device, every
-  product takes XLA's batched dot below. Either way a row's result does not
+  On a CPU where the panel kernel is built (`pspec_jax.cpu_kernel`: float32, bfloat16 or
+  block-quantised weights, float32 arithmetic), up to `cpu_kernel.MAX_ROWS` rows go to it and
+  more rows (a prefill) to XLA's GEMM on the unpacked weight; without it, and on every other
+  device, every product takes XLA's batched dot below. Either way a row's result does not
   depend on how many rows share the call, so a verified tree node computes bit for bit what a
   plain decoding step computes.
   """
@@ -83,7 +165,7 @@ def matmuls(x_XK: jax.Array, weights, dtype=None, preferred_element_type=None) -
 
   def xla(x, *ws):
     return [
-      _dot(x.astype(dtype), w.astype(dtype), n, preferred_element_type)
+      _dot(x.astype(dtype), floats(w).astype(dtype), n, preferred_element_type)
       for w, n in zip(ws, ns, strict=True)
     ]
 
@@ -105,7 +187,7 @@ def matmuls(x_XK: jax.Array, weights, dtype=None, preferred_element_type=None) -
         return [
           jnp.matmul(
             x.astype(dtype),
-            unpack(w, n).astype(dtype),
+            unpack(floats(w), n).astype(dtype),
             preferred_element_type=preferred_element_type,
           )
           for w, n in zip(ws, ns, strict=True)
@@ -117,7 +199,7 @@ def matmuls(x_XK: jax.Array, weights, dtype=None, preferred_element_type=None) -
   return [y.reshape(*lead, n) for y, n in zip(ys, ns, strict=True)]
 
 
-_KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+_KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uint8))
 
 
 def _dot(x_MK: jax.Array, w_PKC: jax.Array, n: int, preferred_element_type) -> jax.Array:

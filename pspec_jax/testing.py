@@ -24,9 +24,11 @@ __all__ = [
   "assert_matches_joint",
   "drafter_for",
   "exact_joint",
+  "gguf_blocks",
   "make_target",
   "padded",
   "sample_many",
+  "save_gguf_llama",
   "save_hf_llama",
 ]
 
@@ -183,6 +185,64 @@ def save_hf_llama(directory, seed=0, dtype=None, **overrides):
   model = transformers.LlamaForCausalLM(config).to(dtype or torch.float32).eval()
   model.save_pretrained(directory)
   return model
+
+
+def gguf_blocks(rng, kind: str, k: int, n: int, scale: float = 1.0):
+  """A random [K, N] weight quantised as a GGUF file stores it (`kind`: a GGML type name):
+  its N rows of blocks along K (uint8), and their dequantisation [K, N] float32."""
+  import gguf
+
+  qtype = gguf.GGMLQuantizationType[kind]
+  raw = gguf.quants.quantize((scale * rng.standard_normal((n, k))).astype(np.float32), qtype)
+  return raw, np.asarray(gguf.quants.dequantize(raw, qtype), np.float32).reshape(n, k).T
+
+
+def save_gguf_llama(path, seed=0, dense="Q4_1", embedding="Q8_0", tied=True, scale=3.0):
+  """A small random Llama as a GGUF file, its dense weights and embedding block-quantised
+  (`dense`, `embedding`: GGML type names), K and N on and off multiples of 64 and 32."""
+  import gguf
+
+  rng = np.random.default_rng(seed)
+  d, f, heads, kv_heads, vocab, num_layers = 64, 96, 4, 2, 130, 2
+  h = d // heads
+  writer = gguf.GGUFWriter(str(path), "llama")
+  writer.add_block_count(num_layers)
+  writer.add_context_length(256)
+  writer.add_embedding_length(d)
+  writer.add_feed_forward_length(f)
+  writer.add_head_count(heads)
+  writer.add_head_count_kv(kv_heads)
+  writer.add_layer_norm_rms_eps(1e-5)
+  writer.add_rope_freq_base(10000.0)
+
+  def quantised(name, kind, k, n, scale):
+    raw, _ = gguf_blocks(rng, kind, k, n, scale)
+    writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[kind])
+
+  def norm(name):
+    writer.add_tensor(name, (1 + 0.1 * rng.standard_normal(d)).astype(np.float32))
+
+  quantised("token_embd.weight", embedding, d, vocab, 1.0)
+  for i in range(num_layers):
+    norm(f"blk.{i}.attn_norm.weight")
+    norm(f"blk.{i}.ffn_norm.weight")
+    for name, k, n in (
+      ("attn_q", d, heads * h),
+      ("attn_k", d, kv_heads * h),
+      ("attn_v", d, kv_heads * h),
+      ("attn_output", heads * h, d),
+      ("ffn_gate", d, f),
+      ("ffn_up", d, f),
+      ("ffn_down", f, d),
+    ):
+      quantised(f"blk.{i}.{name}.weight", dense, k, n, scale / np.sqrt(k))
+  norm("output_norm.weight")
+  if not tied:
+    quantised("output.weight", embedding, d, vocab, scale / np.sqrt(d))
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
 
 
 # The command-line tests: the repository root they run in, the smoke training config, and the

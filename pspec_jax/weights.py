@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from pspec_jax import gguf_file
+from pspec_jax import gguf_file, panels
 from pspec_jax.layers import stack_layers
 from pspec_jax.llama import LlamaConfig, RopeScaling
 
@@ -364,6 +364,52 @@ def gguf_tensors(reader, cfg: LlamaConfig) -> Callable[[str], np.ndarray]:
     return x
 
   return get
+
+
+# Our dense weights by GGUF tensor: (the layer's parameter path, the GGUF name's suffix).
+_GGUF_DENSE = {
+  ("attn", "q"): "attn_q",
+  ("attn", "k"): "attn_k",
+  ("attn", "v"): "attn_v",
+  ("attn", "o"): "attn_output",
+  ("mlp", "gate"): "ffn_gate",
+  ("mlp", "up"): "ffn_up",
+  ("mlp", "down"): "ffn_down",
+}
+
+
+def gguf_block_panels(reader, cfg: LlamaConfig, params: dict) -> dict:
+  """`params` (per-layer, dense weights in panels) with every dense weight that the GGUF file
+  stores in a block type the CPU kernel reads (`panels.BLOCK_BYTES`) as block-quantised panels
+  of the file's own blocks: the same weights, bit for bit, in a fifth of the bytes. A tied head
+  stored as its own copy (`head_from_embedding`) takes the embedding's blocks."""
+  tensors = {t.name: t for t in reader.tensors}
+
+  def blocks(name, heads=None):
+    t = tensors.get(name)
+    if t is None or t.tensor_type.name not in panels.BLOCK_BYTES:
+      return None
+    k, n = (int(s) for s in t.shape)
+    raw = np.asarray(t.data).reshape(n, -1)  # row j: output j's blocks along K
+    if heads is not None:  # as `gguf_tensors` does to the dequantised rows
+      raw = _unpermute_qk(raw, heads)
+    return jnp.asarray(panels.pack_blocks(raw, t.tensor_type.name, k, n))
+
+  params = dict(params)
+  heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
+  for i in range(cfg.num_layers):
+    layer = dict(params[f"layers_{i}"])
+    for (group, name), suffix in _GGUF_DENSE.items():
+      w = blocks(f"blk.{i}.{suffix}.weight", heads.get(suffix))
+      if w is not None:
+        layer[group] = {**layer[group], name: w}
+    params[f"layers_{i}"] = layer
+  if "lm_head" in params:
+    head = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    w = blocks(head)
+    if w is not None:
+      params["lm_head"] = w
+  return params
 
 
 def head_from_embedding(get: Callable[[str], np.ndarray]) -> Callable[[str], np.ndarray]:

@@ -97,6 +97,27 @@ def test_calls_from_several_threads_at_once_each_get_their_own_product():
   np.testing.assert_allclose(want[0], _exact(xs[0], w_KN), atol=2e-6 * k)
 
 
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_block_quantised_panels_equal_numpy_and_the_float_panels_bit_for_bit(kind):
+  # Every M up to 16 and the most the kernel takes; K through whole and half 64-row blocks.
+  rng = np.random.default_rng(len(kind))
+  for m in [*range(1, 17), cpu_kernel.MAX_ROWS]:
+    k, n = 32 * (1 + m % 5), 40 + 23 * m
+    raw, w_KN = testing.gguf_blocks(rng, kind, k, n)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    got = np.asarray(kernel_matmul(x, jnp.asarray(panels.pack_blocks(raw, kind, k, n)), n))
+    np.testing.assert_allclose(got, _exact(x, w_KN), atol=2e-6 * k * np.abs(w_KN).max())
+    want = np.asarray(kernel_matmul(x, panels.pack(jnp.asarray(w_KN)), n))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_weights_of_another_type_or_block_size_are_one_clear_error():
+  x = jnp.ones((2, 64), jnp.float32)
+  for w in (jnp.ones((1, 2, 1000), jnp.uint8), jnp.ones((1, 64, 64), jnp.int32)):
+    with pytest.raises(Exception, match="Q4_1 or Q8_0 blocks"):
+      jax.block_until_ready(cpu_kernel.matmul(x, w, 64))
+
+
 def test_too_many_rows_is_one_clear_error():
   with pytest.raises(ValueError, match="1 to 64 rows"):
     cpu_kernel.matmul(jnp.ones((65, 8)), panels.pack(jnp.ones((8, 8))), 8)
@@ -144,6 +165,15 @@ _CHECK = textwrap.dedent(
   np.testing.assert_allclose(got, x.astype(np.float64) @ w_KN, atol=1e-3)
   alone = np.asarray(f(jnp.asarray(x[4:5])))
   assert np.array_equal(got[4:5], alone)
+  # Block-quantised panels: the float panels' products of the dequantised weights, bit for bit.
+  from pspec_jax import testing
+  for kind in ("Q4_1", "Q8_0"):
+    raw, w_KN = testing.gguf_blocks(rng, kind, 320, 130)
+    q = panels.pack_blocks(raw, kind, 320, 130)
+    xq = rng.standard_normal((9, 320)).astype(np.float32)
+    product = jax.jit(lambda x, w: panels.matmul(x, w, 130))
+    want = np.asarray(product(xq, panels.pack(jnp.asarray(w_KN))))
+    assert np.array_equal(np.asarray(product(xq, jnp.asarray(q))), want), kind
   # Decoding attention: its own answer against numpy's, on the ISA and threads of the run.
   from tests.cpu_kernel_test import attention_case, numpy_attention
   for h in (64, 12):
@@ -178,7 +208,7 @@ def test_the_portable_path_and_one_thread_give_the_same_products():
 _PRODUCTS = textwrap.dedent(
   """
   import sys, jax, jax.numpy as jnp, numpy as np
-  from pspec_jax import cpu_kernel, panels
+  from pspec_jax import cpu_kernel, panels, testing
   rng = np.random.default_rng(3)
   out = {"isa": np.array(cpu_kernel.describe())}
   for m, k, n, dt in ((1, 576, 192, jnp.float32), (7, 300, 130, jnp.bfloat16),
@@ -186,6 +216,11 @@ _PRODUCTS = textwrap.dedent(
     w = panels.pack(jnp.asarray(rng.standard_normal((k, n)), dt))
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
     out[f"{m}"] = np.asarray(jax.jit(cpu_kernel.matmul, static_argnums=2)(x, w, n))
+  for m, k, n, kind in ((1, 576, 192, "Q4_1"), (9, 96, 130, "Q8_0"), (16, 1536, 576, "Q4_1")):
+    raw, _ = testing.gguf_blocks(rng, kind, k, n)
+    w = jnp.asarray(panels.pack_blocks(raw, kind, k, n))
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    out[f"{kind} {m}"] = np.asarray(jax.jit(cpu_kernel.matmul, static_argnums=2)(x, w, n))
   np.savez(sys.argv[1], **out)
   """
 )

@@ -69,6 +69,59 @@ def test_pack_and_unpack_invert_each_other_on_leading_axes():
   np.testing.assert_array_equal(panels.unpack(packed, 70), w)
 
 
+# M rows, K inputs (multiples of the 32-weight quantisation block), N outputs.
+BLOCK_SHAPES = [(1, 64, 130), (3, 96, 64), (8, 576, 192), (16, 32, 1), (80, 160, 70)]
+
+
+@pytest.mark.parametrize("m,k,n", BLOCK_SHAPES)
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_block_quantised_panels_multiply_as_the_files_dequantised_weights(m, k, n, kind):
+  rng = np.random.default_rng(m * 1000 + n)
+  raw, w_KN = testing.gguf_blocks(rng, kind, k, n)
+  wq = jnp.asarray(panels.pack_blocks(raw, kind, k, n))
+  assert wq.dtype == jnp.uint8 and wq.shape == (-(-n // 64), k // 32, panels.BLOCK_BYTES[kind])
+  wf = panels.pack(jnp.asarray(w_KN))
+  bits = lambda a: np.asarray(a).view(np.uint32)
+  np.testing.assert_array_equal(bits(panels.dequantize(wq)), bits(wf))  # GGUF's own weights
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+  np.testing.assert_array_equal(bits(matmul(x, wq, n=n)), bits(matmul(x, wf, n=n)))
+
+
+def test_block_quantised_panels_of_an_unknown_type_or_width_are_one_clear_error():
+  raw, _ = testing.gguf_blocks(np.random.default_rng(0), "Q4_1", 64, 8)
+  with pytest.raises(ValueError, match="no block-quantised panels for GGUF type Q4_K"):
+    panels.pack_blocks(raw, "Q4_K", 64, 8)
+  with pytest.raises(ValueError, match="K must be a multiple of 32, got 48"):
+    panels.pack_blocks(raw, "Q4_1", 48, 8)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_gguf_target_decodes_from_its_blocks_where_the_kernel_runs(tmp_path, tied, product_path):
+  path = str(tmp_path / "blocks.gguf")
+  testing.save_gguf_llama(path, tied=tied)
+  decoding = checkpoints.load_target(path, weight_layout="decode")
+  floats = checkpoints.load_target(path, weight_layout="panels", scan_layers=False, untie_head=True)
+  quantised = {
+    jax.tree_util.keystr(p)
+    for p, x in jax.tree_util.tree_leaves_with_path(decoding.params)
+    if x.dtype == jnp.uint8
+  }
+  if product_path == "kernel":  # every dense weight of the target, the head included
+    assert len(quantised) == 7 * decoding.cfg.num_layers + 1 and "['lm_head']" in quantised
+  else:  # XLA would widen every weight at every step: the float panels decode faster
+    assert not quantised
+  tokens = jnp.asarray([[1, 7, 129, 64, 0, 33, 5]], jnp.int32)
+  bits = lambda a: np.asarray(a).view(np.uint32)
+  np.testing.assert_array_equal(
+    bits(_logits(decoding, tokens)[0]), bits(_logits(floats, tokens)[0])
+  )
+  ids = jnp.asarray([0, 63, 64, 129])
+  np.testing.assert_array_equal(decoding.head_rows(ids), floats.head_rows(ids))
+  plain = decoding.with_weight_layout("plain")
+  want = floats.with_weight_layout("plain")
+  assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), plain.params, want.params))
+
+
 def _logits(target, tokens):
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
   features, (k, v) = target(tokens, positions)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pspec_jax import cpu_kernel, decode, testing, tree_specs
+from pspec_jax import checkpoints, cpu_kernel, decode, testing, tree_specs
 from pspec_jax import drafter as drafter_lib
 from pspec_jax import propose as propose_lib
 from pspec_jax import tree as tree_lib
@@ -91,6 +91,33 @@ def test_greedy_speculative_equals_plain_greedy_with_panel_weights(target, kind,
   with cpu_kernel.disabled() if path == "xla" else contextlib.nullcontext():
     for tree in ("sparse8", "dynamic:6"):
       assert_greedy_lossless(packed, drafter, tree)
+
+
+@pytest.fixture(scope="module")
+def gguf_path(tmp_path_factory):
+  path = tmp_path_factory.mktemp("gguf") / "blocks.gguf"
+  testing.save_gguf_llama(path, tied=False)
+  return str(path)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_speculative_equals_plain_greedy_with_block_quantised_weights(gguf_path, kind):
+  # A GGUF target decoding from its own Q4_1 and Q8_0 blocks on the CPU kernel: each drafter
+  # kind gives the tokens plain decoding gives, there and on the float32 panels of the
+  # dequantised weights (the same products, bit for bit).
+  assert cpu_kernel.available(), cpu_kernel.describe()
+  blocks = checkpoints.load_target(gguf_path, weight_layout="decode")
+  assert {x.dtype for x in jax.tree.leaves(blocks.params)} == {
+    np.dtype("float32"),
+    np.dtype("uint8"),
+  }
+  floats = checkpoints.load_target(gguf_path, weight_layout="panels", scan_layers=False)
+  drafter = testing.drafter_for(kind, blocks)
+  _, plain, _ = assert_greedy_lossless(blocks, drafter, "sparse8")
+  tokens, lengths = testing.padded(testing.PROMPTS)
+  cfg = decode.DecodeConfig(max_new_tokens=24, eos_ids=(3,), tree="sparse8")
+  reference = decode.generate(floats, tokens, lengths, jax.random.key(0), cfg)
+  assert plain.tokens.tolist() == reference.tokens.tolist()
 
 
 @pytest.mark.parametrize("kind", ["pspec", "eagle", "medusa"])

@@ -7,6 +7,11 @@
 //   x [M, K] float32,  W_j [P, K, 64] float32 or bfloat16 (panel p holds columns 64p..64p+63),
 //   y_j [M, N] float32 with N <= 64 P (the last panel's padding columns are dropped).
 //
+// W_j may also be block-quantised panels, [P, K/32, B] uint8, as GGUF stores them (Q4_1: B =
+// 1536, Q8_0: B = 2304; see "Block-quantised panels" below): each block is widened to float32
+// in L1 with GGUF's own arithmetic, then multiplied as a float32 panel is, so the result is
+// bit for bit that of the float32 panels of the dequantised weight, for a fifth of the bytes.
+//
 // A decoding step reads every weight once for a handful of rows, so it is bound by reading
 // the weights. Each panel is one contiguous stream: a thread reads it from memory once, in
 // blocks of `kBlockK` rows that stay in cache while every row of x is multiplied by them.
@@ -59,11 +64,58 @@ constexpr int64_t kMaxRows = 64;  // pspec_jax.cpu_kernel.MAX_ROWS
 
 struct Problem {
   const float* x;  // [m, k]
-  const void* w;   // [panels, k, 64], float32 or bfloat16
+  const void* w;   // [panels, k, 64] float32 or bfloat16, or [panels, k / 32, B] uint8 blocks
   float* y;        // [m, n]
   int64_t m, k, n, panels;
-  bool bf16;
 };
+
+// The lines of the next block still to ask memory for, one per step of a tile's loop.
+struct Ahead {
+  const char* next;
+  const char* end;
+};
+
+// ---------------------------------------------------------------------------------------
+// Block-quantised panels. GGUF's Q4_1 and Q8_0 quantise each run of 32 weights along K of one
+// output column with its own float16 scale d (and, Q4_1, minimum m): w = d q + m with q in
+// 0..15, or w = d q with q in -128..127. The loader (pspec_jax.panels.pack_blocks) regroups
+// them into panels: for each 64 columns and 32 k, one block of
+//   Q4_1: d float32[64], m float32[64], then per k 32 bytes, byte c holding column c's q in
+//         its low nibble and column c + 32's in its high nibble (1536 bytes);
+//   Q8_0: d float32[64], then per k 64 int8 q, one per column (2304 bytes).
+// d q is exact in float32 (11 by 4 or 8 significant bits), so a fused multiply-add rounds
+// d q + m once, as GGUF's (numpy) dequantisation does: the widened weights are its bits.
+
+constexpr int64_t kQuantK = 32;  // k per quantisation block
+constexpr int64_t kQ4_1Bytes = 2 * 4 * kWidth + kQuantK * kWidth / 2;
+constexpr int64_t kQ8_0Bytes = 4 * kWidth + kQuantK * kWidth;
+static_assert(kBlockK % kQuantK == 0, "a panel block holds whole quantisation blocks");
+
+// One quantisation block widened to float32, out [32, 64] (row k of the panel block).
+using WidenFn = void (*)(const uint8_t* block, float* out);
+
+inline const float* block_scales(const uint8_t* block) {
+  return reinterpret_cast<const float*>(block);
+}
+
+void widen_q4_1_portable(const uint8_t* block, float* out) {
+  const float *d = block_scales(block), *m = d + kWidth;
+  const uint8_t* q = block + 2 * 4 * kWidth;
+  for (int64_t k = 0; k < kQuantK; ++k, q += kWidth / 2, out += kWidth) {
+    for (int64_t c = 0; c < kWidth / 2; ++c) {
+      out[c] = d[c] * static_cast<float>(q[c] & 15) + m[c];
+      out[c + 32] = d[c + 32] * static_cast<float>(q[c] >> 4) + m[c + 32];
+    }
+  }
+}
+
+void widen_q8_0_portable(const uint8_t* block, float* out) {
+  const float* d = block_scales(block);
+  const int8_t* q = reinterpret_cast<const int8_t*>(block + 4 * kWidth);
+  for (int64_t k = 0; k < kQuantK; ++k, q += kWidth, out += kWidth) {
+    for (int64_t c = 0; c < kWidth; ++c) out[c] = d[c] * static_cast<float>(q[c]);
+  }
+}
 
 #if PSPEC_X86
 // ---------------------------------------------------------------------------------------
@@ -78,12 +130,6 @@ __attribute__((target("avx2,fma"))) inline __m256 load8(const uint16_t* w) {
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
-
-// The lines of the next block still to ask memory for, one per step of a tile's loop.
-struct Ahead {
-  const char* next;
-  const char* end;
-};
 
 // R rows of x times columns c0..c0+8C-1 of panel rows k0..k1, accumulated into acc ([R, 64]):
 // the R rows share each loaded vector of W, and R*C independent accumulators keep the FMA
@@ -193,35 +239,75 @@ __attribute__((target("avx512f"))) inline void rest_avx512(
 }
 
 // ---------------------------------------------------------------------------------------
-// One panel, either instruction set's tiles (`Tiles`: `first` is row 0's tile, `six` a group
-// of 6 rows, `rest` the last 0 to 5): a function per tile call, each block's worth of work
-// (64 k x up to 6 rows x 64 columns) is far more than a call costs.
+// Widening block-quantised panels (see above), 8 or 16 columns a vector.
 
-template <typename W, typename Tiles>
-void panel_blocks(const Problem& p, int64_t panel) {
-  const W* wp = static_cast<const W*>(p.w) + panel * p.k * kWidth;
-  alignas(64) float acc[kMaxRows * kWidth];
-  std::memset(acc, 0, sizeof(float) * p.m * kWidth);
-  for (int64_t k0 = 0; k0 < p.k; k0 += kBlockK) {
-    const int64_t k1 = std::min(k0 + kBlockK, p.k);
-    // Row 0 reads the block in order, whole rows of the panel (a sequential stream the
-    // hardware prefetcher follows); the other rows find it in cache.
-    Tiles::first(p.x, p.k, wp, k0, k1, acc);
-    // Their tiles ask memory for the next block meanwhile, a group of rows the whole block:
-    // left to the hardware, memory would idle while they compute (measured: 20-25% of the
-    // time at 4-16 rows). The lines go to the outer caches (prefetcht2), where row 0 finds
-    // them: fetched into L1 (prefetcht0) the next block evicts the one the tiles are reading,
-    // and 6 to 12 rows took 15-25% longer on a 2-core AVX2 machine.
-    const int64_t k2 = std::min(k1 + kBlockK, p.k);
-    Ahead ahead{reinterpret_cast<const char*>(wp + k1 * kWidth),
-                reinterpret_cast<const char*>(wp + k2 * kWidth)};
-    int64_t r = 1;
-    for (; r + 6 <= p.m; r += 6)
-      Tiles::six(p.x + r * p.k, p.k, wp, k0, k1, acc + r * kWidth, ahead);
-    Tiles::rest(p.m - r, p.x + r * p.k, p.k, wp, k0, k1, acc + r * kWidth, ahead);
+__attribute__((target("avx2,fma"))) void widen_q4_1_avx2(const uint8_t* block, float* out) {
+  const float *d = block_scales(block), *m = d + kWidth;
+  const uint8_t* q = block + 2 * 4 * kWidth;
+  __m256 dv[8], mv[8];
+  for (int c = 0; c < 8; ++c) dv[c] = _mm256_loadu_ps(d + 8 * c), mv[c] = _mm256_loadu_ps(m + 8 * c);
+  const __m128i low = _mm_set1_epi8(15);
+  for (int64_t k = 0; k < kQuantK; ++k, q += kWidth / 2, out += kWidth) {
+    __m128i nib[4];  // columns 0-15, 16-31 (low nibbles), 32-47, 48-63 (high nibbles)
+    for (int h = 0; h < 2; ++h) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * h));
+      nib[h] = _mm_and_si128(b, low);
+      nib[h + 2] = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+    }
+    for (int c = 0; c < 8; ++c) {
+      const __m128i bytes = (c & 1) ? _mm_srli_si128(nib[c / 2], 8) : nib[c / 2];
+      const __m256 qv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+      _mm256_store_ps(out + 8 * c, _mm256_fmadd_ps(dv[c], qv, mv[c]));
+    }
   }
-  const int64_t c0 = panel * kWidth, cols = std::min(kWidth, p.n - c0);
-  for (int64_t r = 0; r < p.m; ++r) std::memcpy(p.y + r * p.n + c0, acc + r * kWidth, cols * 4);
+}
+
+__attribute__((target("avx2,fma"))) void widen_q8_0_avx2(const uint8_t* block, float* out) {
+  const float* d = block_scales(block);
+  const uint8_t* q = block + 4 * kWidth;
+  __m256 dv[8];
+  for (int c = 0; c < 8; ++c) dv[c] = _mm256_loadu_ps(d + 8 * c);
+  for (int64_t k = 0; k < kQuantK; ++k, q += kWidth, out += kWidth) {
+    for (int c = 0; c < 8; ++c) {
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * c));
+      const __m256 qv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+      _mm256_store_ps(out + 8 * c, _mm256_mul_ps(dv[c], qv));
+    }
+  }
+}
+
+__attribute__((target("avx512f"))) void widen_q4_1_avx512(const uint8_t* block, float* out) {
+  const float *d = block_scales(block), *m = d + kWidth;
+  const uint8_t* q = block + 2 * 4 * kWidth;
+  __m512 dv[kVecs512], mv[kVecs512];
+  for (int c = 0; c < kVecs512; ++c) dv[c] = _mm512_loadu_ps(d + 16 * c), mv[c] = _mm512_loadu_ps(m + 16 * c);
+  const __m128i low = _mm_set1_epi8(15);
+  for (int64_t k = 0; k < kQuantK; ++k, q += kWidth / 2, out += kWidth) {
+    __m128i nib[kVecs512];  // columns 0-15, 16-31 (low nibbles), 32-47, 48-63 (high nibbles)
+    for (int h = 0; h < 2; ++h) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * h));
+      nib[h] = _mm_and_si128(b, low);
+      nib[h + 2] = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+    }
+    for (int c = 0; c < kVecs512; ++c) {
+      const __m512 qv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nib[c]));
+      _mm512_store_ps(out + 16 * c, _mm512_fmadd_ps(dv[c], qv, mv[c]));
+    }
+  }
+}
+
+__attribute__((target("avx512f"))) void widen_q8_0_avx512(const uint8_t* block, float* out) {
+  const float* d = block_scales(block);
+  const uint8_t* q = block + 4 * kWidth;
+  __m512 dv[kVecs512];
+  for (int c = 0; c < kVecs512; ++c) dv[c] = _mm512_loadu_ps(d + 16 * c);
+  for (int64_t k = 0; k < kQuantK; ++k, q += kWidth, out += kWidth) {
+    for (int c = 0; c < kVecs512; ++c) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * c));
+      const __m512 qv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+      _mm512_store_ps(out + 16 * c, _mm512_mul_ps(dv[c], qv));
+    }
+  }
 }
 
 template <typename W>
@@ -273,24 +359,105 @@ inline float to_float(uint16_t v) {
   return f;
 }
 
+// R rows of x times panel rows k0..k1, in k order, multiply then add.
 template <typename W>
-void panel_portable(const Problem& p, int64_t panel) {
+void rows_portable(int64_t rows, const float* x, int64_t ldx, const W* wp, int64_t k0, int64_t k1,
+                   float* acc) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* ar = acc + r * kWidth;
+    for (int64_t k = k0; k < k1; ++k) {
+      const float xk = x[r * ldx + k];
+      const W* wk = wp + k * kWidth;
+      for (int64_t c = 0; c < kWidth; ++c) ar[c] += xk * to_float(wk[c]);
+    }
+  }
+}
+
+template <typename W>
+struct PortableTiles {
+  static void first(const float* x, int64_t ldx, const W* wp, int64_t k0, int64_t k1, float* acc) {
+    rows_portable(1, x, ldx, wp, k0, k1, acc);
+  }
+  static void six(const float* x, int64_t ldx, const W* wp, int64_t k0, int64_t k1, float* acc,
+                  Ahead&) {
+    rows_portable(6, x, ldx, wp, k0, k1, acc);
+  }
+  static void rest(int64_t rows, const float* x, int64_t ldx, const W* wp, int64_t k0, int64_t k1,
+                   float* acc, Ahead&) {
+    rows_portable(rows, x, ldx, wp, k0, k1, acc);
+  }
+};
+
+// ---------------------------------------------------------------------------------------
+// One panel, either instruction set's tiles (`Tiles`: `first` is row 0's tile, `six` a group
+// of 6 rows, `rest` the last 0 to 5): a function per tile call, each block's worth of work
+// (64 k x up to 6 rows x 64 columns) is far more than a call costs.
+
+// Every row of x times panel rows k0..k1 of `wp` (a panel's weights, indexed from its row 0),
+// accumulated into acc ([M, 64]); the tiles ask memory for `ahead` meanwhile.
+template <typename W, typename Tiles>
+inline void block_rows(const Problem& p, const W* wp, int64_t k0, int64_t k1, float* acc,
+                       Ahead ahead) {
+  // Row 0 reads the block in order, whole rows of the panel (a sequential stream the hardware
+  // prefetcher follows); the other rows find it in cache.
+  Tiles::first(p.x, p.k, wp, k0, k1, acc);
+  int64_t r = 1;
+  for (; r + 6 <= p.m; r += 6) Tiles::six(p.x + r * p.k, p.k, wp, k0, k1, acc + r * kWidth, ahead);
+  Tiles::rest(p.m - r, p.x + r * p.k, p.k, wp, k0, k1, acc + r * kWidth, ahead);
+}
+
+inline void store_rows(const Problem& p, int64_t panel, const float* acc) {
+  const int64_t c0 = panel * kWidth, cols = std::min(kWidth, p.n - c0);
+  for (int64_t r = 0; r < p.m; ++r) std::memcpy(p.y + r * p.n + c0, acc + r * kWidth, cols * 4);
+}
+
+template <typename W, typename Tiles>
+void panel_blocks(const Problem& p, int64_t panel) {
   const W* wp = static_cast<const W*>(p.w) + panel * p.k * kWidth;
-  float acc[kMaxRows * kWidth];
+  alignas(64) float acc[kMaxRows * kWidth];
   std::memset(acc, 0, sizeof(float) * p.m * kWidth);
   for (int64_t k0 = 0; k0 < p.k; k0 += kBlockK) {
     const int64_t k1 = std::min(k0 + kBlockK, p.k);
-    for (int64_t r = 0; r < p.m; ++r) {
-      float* ar = acc + r * kWidth;
-      for (int64_t k = k0; k < k1; ++k) {
-        const float xk = p.x[r * p.k + k];
-        const W* wk = wp + k * kWidth;
-        for (int64_t c = 0; c < kWidth; ++c) ar[c] += xk * to_float(wk[c]);
-      }
-    }
+    // The tiles after row 0 ask memory for the next block meanwhile, a group of rows the
+    // whole block: left to the hardware, memory would idle while they compute (measured:
+    // 20-25% of the time at 4-16 rows). The lines go to the outer caches (prefetcht2), where
+    // row 0 finds them: fetched into L1 (prefetcht0) the next block evicts the one the tiles
+    // are reading, and 6 to 12 rows took 15-25% longer on a 2-core AVX2 machine.
+    const int64_t k2 = std::min(k1 + kBlockK, p.k);
+    const Ahead ahead{reinterpret_cast<const char*>(wp + k1 * kWidth),
+                      reinterpret_cast<const char*>(wp + k2 * kWidth)};
+    block_rows<W, Tiles>(p, wp, k0, k1, acc, ahead);
   }
-  const int64_t c0 = panel * kWidth, cols = std::min(kWidth, p.n - c0);
-  for (int64_t r = 0; r < p.m; ++r) std::memcpy(p.y + r * p.n + c0, acc + r * kWidth, cols * 4);
+  store_rows(p, panel, acc);
+}
+
+// A block-quantised panel: each block widened into L1 (`Widen`), then multiplied as a float32
+// panel's block is. Its stream is a fifth of a float32 panel's, left to the hardware prefetcher.
+constexpr int64_t kAhead = 4;
+
+template <WidenFn Widen, int64_t Bytes, typename Tiles>
+void panel_quantised(const Problem& p, int64_t panel) {
+  const uint8_t* blocks = static_cast<const uint8_t*>(p.w) + panel * (p.k / kQuantK) * Bytes;
+  const uint8_t* end = static_cast<const uint8_t*>(p.w) + p.panels * (p.k / kQuantK) * Bytes;
+  alignas(64) float acc[kMaxRows * kWidth];
+  alignas(64) float block[kBlockK * kWidth];
+  std::memset(acc, 0, sizeof(float) * p.m * kWidth);
+  for (int64_t k0 = 0; k0 < p.k; k0 += kBlockK) {
+    const int64_t k1 = std::min(k0 + kBlockK, p.k);
+    for (int64_t k = k0; k < k1; k += kQuantK) {
+      const uint8_t* src = blocks + k / kQuantK * Bytes;
+      // Ask memory for the block kAhead blocks on (into the next panel at the end of this one:
+      // another thread's, or this one's next): a panel's stream is too short for the hardware
+      // prefetcher to reach full speed, and widening waited on memory (M = 1: 13 GB/s).
+      const uint8_t* ahead = src + kAhead * Bytes;
+      for (int64_t line = 0; line < Bytes && ahead + line < end; line += 64)
+        __builtin_prefetch(ahead + line, 0, 3);
+      Widen(src, block + (k - k0) * kWidth);
+    }
+    // The tiles index the panel from its row 0: `block - k0 * kWidth` is that origin.
+    block_rows<float, Tiles>(p, block - k0 * kWidth, k0, k1, acc, Ahead{nullptr, nullptr});
+  }
+  store_rows(p, panel, acc);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -300,9 +467,16 @@ void panel_portable(const Problem& p, int64_t panel) {
 using PanelFn = void (*)(const Problem&, int64_t);
 
 struct Isa {
-  PanelFn f32, bf16;
+  PanelFn f32, bf16, q4_1, q8_0;
   const char* name;
 };
+
+template <template <typename> class Tiles, WidenFn Q4_1, WidenFn Q8_0>
+constexpr Isa isa_of(const char* name) {
+  return {panel_blocks<float, Tiles<float>>, panel_blocks<uint16_t, Tiles<uint16_t>>,
+          panel_quantised<Q4_1, kQ4_1Bytes, Tiles<float>>,
+          panel_quantised<Q8_0, kQ8_0Bytes, Tiles<float>>, name};
+}
 
 Isa choose_isa() {
 #if PSPEC_X86
@@ -312,13 +486,10 @@ Isa choose_isa() {
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (avx2 && !at_most_avx2 && __builtin_cpu_supports("avx512f"))
-    return {panel_blocks<float, Avx512Tiles<float>>, panel_blocks<uint16_t, Avx512Tiles<uint16_t>>,
-            "avx512"};
-  if (avx2 && !portable)
-    return {panel_blocks<float, Avx2Tiles<float>>, panel_blocks<uint16_t, Avx2Tiles<uint16_t>>,
-            "avx2"};
+    return isa_of<Avx512Tiles, widen_q4_1_avx512, widen_q8_0_avx512>("avx512");
+  if (avx2 && !portable) return isa_of<Avx2Tiles, widen_q4_1_avx2, widen_q8_0_avx2>("avx2");
 #endif
-  return {panel_portable<float>, panel_portable<uint16_t>, "portable"};
+  return isa_of<PortableTiles, widen_q4_1_portable, widen_q8_0_portable>("portable");
 }
 
 const Isa& isa() {
@@ -473,19 +644,30 @@ ffi::Error PanelMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws, ffi::
       return ffi::Error::InvalidArgument("panel_matmul: weights are arrays, results float32");
     }
     const auto wd = w->dimensions(), yd = (*y)->dimensions();
-    if (wd.size() != 3 || yd.size() != 2 || wd[2] != kWidth) {
-      return ffi::Error::InvalidArgument("panel_matmul: W [P, K, 64], y [M, N]");
+    if (wd.size() != 3 || yd.size() != 2) {
+      return ffi::Error::InvalidArgument("panel_matmul: W [P, K, 64] or [P, K / 32, B], y [M, N]");
     }
-    const bool bf16 = w->element_type() == ffi::DataType::BF16;
-    if (!bf16 && w->element_type() != ffi::DataType::F32) {
-      return ffi::Error::InvalidArgument("panel_matmul: W must be float32 or bfloat16");
+    const auto type = w->element_type();
+    PanelFn fn = nullptr;
+    int64_t wk = wd[1];  // the weight's K
+    if (type == ffi::DataType::F32 && wd[2] == kWidth) {
+      fn = isa().f32;
+    } else if (type == ffi::DataType::BF16 && wd[2] == kWidth) {
+      fn = isa().bf16;
+    } else if (type == ffi::DataType::U8 && (wd[2] == kQ4_1Bytes || wd[2] == kQ8_0Bytes)) {
+      fn = wd[2] == kQ4_1Bytes ? isa().q4_1 : isa().q8_0;
+      wk = wd[1] * kQuantK;
+    } else {
+      return ffi::Error::InvalidArgument(
+          "panel_matmul: W must be float32 or bfloat16 [P, K, 64], or uint8 Q4_1 or Q8_0 "
+          "blocks [P, K / 32, 1536 or 2304]");
     }
     const int64_t n = yd[1], panels = wd[0];
-    if (wd[1] != k || yd[0] != m || n > panels * kWidth) {
+    if (wk != k || yd[0] != m || n > panels * kWidth) {
       return ffi::Error::InvalidArgument("panel_matmul: shapes do not match");
     }
-    ctx.p[j] = {x.typed_data(), w->untyped_data(), (*y)->typed_data(), m, k, n, panels, bf16};
-    ctx.fn[j] = bf16 ? isa().bf16 : isa().f32;
+    ctx.p[j] = {x.typed_data(), w->untyped_data(), (*y)->typed_data(), m, k, n, panels};
+    ctx.fn[j] = fn;
     ctx.start[j + 1] = ctx.start[j] + panels;
   }
   auto one = [](const void* c, int64_t i) {
