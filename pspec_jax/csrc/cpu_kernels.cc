@@ -91,29 +91,44 @@ constexpr int64_t kQ4_1Bytes = 2 * 4 * kWidth + kQuantK * kWidth / 2;
 constexpr int64_t kQ8_0Bytes = 4 * kWidth + kQuantK * kWidth;
 static_assert(kBlockK % kQuantK == 0, "a panel block holds whole quantisation blocks");
 
-// One quantisation block widened to float32, out [32, 64] (row k of the panel block).
-using WidenFn = void (*)(const uint8_t* block, float* out);
+// One quantisation block widened to float32, and row 0 of x multiplied by it on the way:
+// acc0 [64] += x0[k] w[k] for its 32 k in order (the arithmetic of the tiles: a row's result is
+// the same whichever pass computes it). The widened rows go to out [32, 64] (row k of the panel
+// block) for the other rows of x, unless out is null (x has one row).
+using WidenFn = void (*)(const uint8_t* block, const float* x0, float* acc0, float* out);
 
 inline const float* block_scales(const uint8_t* block) {
   return reinterpret_cast<const float*>(block);
 }
 
-void widen_q4_1_portable(const uint8_t* block, float* out) {
-  const float *d = block_scales(block), *m = d + kWidth;
-  const uint8_t* q = block + 2 * 4 * kWidth;
-  for (int64_t k = 0; k < kQuantK; ++k, q += kWidth / 2, out += kWidth) {
-    for (int64_t c = 0; c < kWidth / 2; ++c) {
-      out[c] = d[c] * static_cast<float>(q[c] & 15) + m[c];
-      out[c + 32] = d[c + 32] * static_cast<float>(q[c] >> 4) + m[c + 32];
-    }
+// w[c] for the 64 columns of row k, then acc0 and out (portable).
+template <typename Weight>
+inline void widened_row_portable(Weight weight, float xk, float* acc0, float* out) {
+  for (int64_t c = 0; c < kWidth; ++c) {
+    const float w = weight(c);
+    acc0[c] += xk * w;
+    if (out != nullptr) out[c] = w;
   }
 }
 
-void widen_q8_0_portable(const uint8_t* block, float* out) {
+void widen_q4_1_portable(const uint8_t* block, const float* x0, float* acc0, float* out) {
+  const float *d = block_scales(block), *m = d + kWidth;
+  const uint8_t* q = block + 2 * 4 * kWidth;
+  for (int64_t k = 0; k < kQuantK; ++k, q += kWidth / 2) {
+    auto weight = [&](int64_t c) {
+      const int nibble = c < kWidth / 2 ? q[c] & 15 : q[c - kWidth / 2] >> 4;
+      return d[c] * static_cast<float>(nibble) + m[c];
+    };
+    widened_row_portable(weight, x0[k], acc0, out == nullptr ? nullptr : out + k * kWidth);
+  }
+}
+
+void widen_q8_0_portable(const uint8_t* block, const float* x0, float* acc0, float* out) {
   const float* d = block_scales(block);
   const int8_t* q = reinterpret_cast<const int8_t*>(block + 4 * kWidth);
-  for (int64_t k = 0; k < kQuantK; ++k, q += kWidth, out += kWidth) {
-    for (int64_t c = 0; c < kWidth; ++c) out[c] = d[c] * static_cast<float>(q[c]);
+  for (int64_t k = 0; k < kQuantK; ++k, q += kWidth) {
+    auto weight = [&](int64_t c) { return d[c] * static_cast<float>(q[c]); };
+    widened_row_portable(weight, x0[k], acc0, out == nullptr ? nullptr : out + k * kWidth);
   }
 }
 
@@ -239,75 +254,113 @@ __attribute__((target("avx512f"))) inline void rest_avx512(
 }
 
 // ---------------------------------------------------------------------------------------
-// Widening block-quantised panels (see above), 8 or 16 columns a vector.
+// Widening block-quantised panels (see above) with row 0's products, 8 or 16 columns a vector.
+// AVX2 takes the 64 columns in two halves (Q4_1: the low nibbles, then the high ones), so a
+// half's scales, minimums and accumulators fit the 16 registers.
 
-__attribute__((target("avx2,fma"))) void widen_q4_1_avx2(const uint8_t* block, float* out) {
+__attribute__((target("avx2,fma"))) void widen_q4_1_avx2(const uint8_t* block, const float* x0,
+                                                         float* acc0, float* out) {
   const float *d = block_scales(block), *m = d + kWidth;
-  const uint8_t* q = block + 2 * 4 * kWidth;
-  __m256 dv[8], mv[8];
-  for (int c = 0; c < 8; ++c) dv[c] = _mm256_loadu_ps(d + 8 * c), mv[c] = _mm256_loadu_ps(m + 8 * c);
   const __m128i low = _mm_set1_epi8(15);
-  for (int64_t k = 0; k < kQuantK; ++k, q += kWidth / 2, out += kWidth) {
-    __m128i nib[4];  // columns 0-15, 16-31 (low nibbles), 32-47, 48-63 (high nibbles)
-    for (int h = 0; h < 2; ++h) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * h));
-      nib[h] = _mm_and_si128(b, low);
-      nib[h + 2] = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+  for (int half = 0; half < 2; ++half) {
+    const int64_t c0 = half * kWidth / 2;
+    __m256 dv[4], mv[4], a[4];
+    for (int c = 0; c < 4; ++c) {
+      dv[c] = _mm256_loadu_ps(d + c0 + 8 * c);
+      mv[c] = _mm256_loadu_ps(m + c0 + 8 * c);
+      a[c] = _mm256_loadu_ps(acc0 + c0 + 8 * c);
     }
-    for (int c = 0; c < 8; ++c) {
-      const __m128i bytes = (c & 1) ? _mm_srli_si128(nib[c / 2], 8) : nib[c / 2];
-      const __m256 qv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
-      _mm256_store_ps(out + 8 * c, _mm256_fmadd_ps(dv[c], qv, mv[c]));
+    const uint8_t* q = block + 2 * 4 * kWidth;
+    for (int64_t k = 0; k < kQuantK; ++k, q += kWidth / 2) {
+      const __m256 xk = _mm256_broadcast_ss(x0 + k);
+      for (int h = 0; h < 2; ++h) {  // 16 columns a load
+        __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * h));
+        b = _mm_and_si128(half ? _mm_srli_epi16(b, 4) : b, low);
+        for (int e = 0; e < 2; ++e) {
+          const int c = 2 * h + e;
+          const __m256i qi = _mm256_cvtepu8_epi32(e ? _mm_srli_si128(b, 8) : b);
+          const __m256 w = _mm256_fmadd_ps(dv[c], _mm256_cvtepi32_ps(qi), mv[c]);
+          a[c] = _mm256_fmadd_ps(xk, w, a[c]);
+          if (out != nullptr) _mm256_store_ps(out + k * kWidth + c0 + 8 * c, w);
+        }
+      }
     }
+    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc0 + c0 + 8 * c, a[c]);
   }
 }
 
-__attribute__((target("avx2,fma"))) void widen_q8_0_avx2(const uint8_t* block, float* out) {
+__attribute__((target("avx2,fma"))) void widen_q8_0_avx2(const uint8_t* block, const float* x0,
+                                                         float* acc0, float* out) {
   const float* d = block_scales(block);
-  const uint8_t* q = block + 4 * kWidth;
-  __m256 dv[8];
-  for (int c = 0; c < 8; ++c) dv[c] = _mm256_loadu_ps(d + 8 * c);
-  for (int64_t k = 0; k < kQuantK; ++k, q += kWidth, out += kWidth) {
-    for (int c = 0; c < 8; ++c) {
-      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * c));
-      const __m256 qv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-      _mm256_store_ps(out + 8 * c, _mm256_mul_ps(dv[c], qv));
+  for (int half = 0; half < 2; ++half) {
+    const int64_t c0 = half * kWidth / 2;
+    __m256 dv[4], a[4];
+    for (int c = 0; c < 4; ++c) {
+      dv[c] = _mm256_loadu_ps(d + c0 + 8 * c);
+      a[c] = _mm256_loadu_ps(acc0 + c0 + 8 * c);
     }
+    const uint8_t* q = block + 4 * kWidth + c0;
+    for (int64_t k = 0; k < kQuantK; ++k, q += kWidth) {
+      const __m256 xk = _mm256_broadcast_ss(x0 + k);
+      for (int c = 0; c < 4; ++c) {
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * c));
+        const __m256 w = _mm256_mul_ps(dv[c], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+        a[c] = _mm256_fmadd_ps(xk, w, a[c]);
+        if (out != nullptr) _mm256_store_ps(out + k * kWidth + c0 + 8 * c, w);
+      }
+    }
+    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc0 + c0 + 8 * c, a[c]);
   }
 }
 
-__attribute__((target("avx512f"))) void widen_q4_1_avx512(const uint8_t* block, float* out) {
+__attribute__((target("avx512f"))) void widen_q4_1_avx512(const uint8_t* block, const float* x0,
+                                                          float* acc0, float* out) {
   const float *d = block_scales(block), *m = d + kWidth;
   const uint8_t* q = block + 2 * 4 * kWidth;
-  __m512 dv[kVecs512], mv[kVecs512];
-  for (int c = 0; c < kVecs512; ++c) dv[c] = _mm512_loadu_ps(d + 16 * c), mv[c] = _mm512_loadu_ps(m + 16 * c);
+  __m512 dv[kVecs512], mv[kVecs512], a[kVecs512];
+  for (int c = 0; c < kVecs512; ++c) {
+    dv[c] = _mm512_loadu_ps(d + 16 * c);
+    mv[c] = _mm512_loadu_ps(m + 16 * c);
+    a[c] = _mm512_loadu_ps(acc0 + 16 * c);
+  }
   const __m128i low = _mm_set1_epi8(15);
-  for (int64_t k = 0; k < kQuantK; ++k, q += kWidth / 2, out += kWidth) {
+  for (int64_t k = 0; k < kQuantK; ++k, q += kWidth / 2) {
     __m128i nib[kVecs512];  // columns 0-15, 16-31 (low nibbles), 32-47, 48-63 (high nibbles)
     for (int h = 0; h < 2; ++h) {
       const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * h));
       nib[h] = _mm_and_si128(b, low);
       nib[h + 2] = _mm_and_si128(_mm_srli_epi16(b, 4), low);
     }
+    const __m512 xk = _mm512_set1_ps(x0[k]);
     for (int c = 0; c < kVecs512; ++c) {
       const __m512 qv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nib[c]));
-      _mm512_store_ps(out + 16 * c, _mm512_fmadd_ps(dv[c], qv, mv[c]));
+      const __m512 w = _mm512_fmadd_ps(dv[c], qv, mv[c]);
+      a[c] = _mm512_fmadd_ps(xk, w, a[c]);
+      if (out != nullptr) _mm512_store_ps(out + k * kWidth + 16 * c, w);
     }
   }
+  for (int c = 0; c < kVecs512; ++c) _mm512_storeu_ps(acc0 + 16 * c, a[c]);
 }
 
-__attribute__((target("avx512f"))) void widen_q8_0_avx512(const uint8_t* block, float* out) {
+__attribute__((target("avx512f"))) void widen_q8_0_avx512(const uint8_t* block, const float* x0,
+                                                          float* acc0, float* out) {
   const float* d = block_scales(block);
   const uint8_t* q = block + 4 * kWidth;
-  __m512 dv[kVecs512];
-  for (int c = 0; c < kVecs512; ++c) dv[c] = _mm512_loadu_ps(d + 16 * c);
-  for (int64_t k = 0; k < kQuantK; ++k, q += kWidth, out += kWidth) {
+  __m512 dv[kVecs512], a[kVecs512];
+  for (int c = 0; c < kVecs512; ++c) {
+    dv[c] = _mm512_loadu_ps(d + 16 * c);
+    a[c] = _mm512_loadu_ps(acc0 + 16 * c);
+  }
+  for (int64_t k = 0; k < kQuantK; ++k, q += kWidth) {
+    const __m512 xk = _mm512_set1_ps(x0[k]);
     for (int c = 0; c < kVecs512; ++c) {
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * c));
-      const __m512 qv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
-      _mm512_store_ps(out + 16 * c, _mm512_mul_ps(dv[c], qv));
+      const __m512 w = _mm512_mul_ps(dv[c], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
+      a[c] = _mm512_fmadd_ps(xk, w, a[c]);
+      if (out != nullptr) _mm512_store_ps(out + k * kWidth + 16 * c, w);
     }
   }
+  for (int c = 0; c < kVecs512; ++c) _mm512_storeu_ps(acc0 + 16 * c, a[c]);
 }
 
 template <typename W>
@@ -393,17 +446,24 @@ struct PortableTiles {
 // of 6 rows, `rest` the last 0 to 5): a function per tile call, each block's worth of work
 // (64 k x up to 6 rows x 64 columns) is far more than a call costs.
 
-// Every row of x times panel rows k0..k1 of `wp` (a panel's weights, indexed from its row 0),
+// Rows 1.. of x times panel rows k0..k1 of `wp` (a panel's weights, indexed from its row 0),
 // accumulated into acc ([M, 64]); the tiles ask memory for `ahead` meanwhile.
+template <typename W, typename Tiles>
+inline void rows_after_first(const Problem& p, const W* wp, int64_t k0, int64_t k1, float* acc,
+                             Ahead ahead) {
+  int64_t r = 1;
+  for (; r + 6 <= p.m; r += 6) Tiles::six(p.x + r * p.k, p.k, wp, k0, k1, acc + r * kWidth, ahead);
+  Tiles::rest(p.m - r, p.x + r * p.k, p.k, wp, k0, k1, acc + r * kWidth, ahead);
+}
+
+// Every row of x times the block: row 0 first, then the others.
 template <typename W, typename Tiles>
 inline void block_rows(const Problem& p, const W* wp, int64_t k0, int64_t k1, float* acc,
                        Ahead ahead) {
   // Row 0 reads the block in order, whole rows of the panel (a sequential stream the hardware
   // prefetcher follows); the other rows find it in cache.
   Tiles::first(p.x, p.k, wp, k0, k1, acc);
-  int64_t r = 1;
-  for (; r + 6 <= p.m; r += 6) Tiles::six(p.x + r * p.k, p.k, wp, k0, k1, acc + r * kWidth, ahead);
-  Tiles::rest(p.m - r, p.x + r * p.k, p.k, wp, k0, k1, acc + r * kWidth, ahead);
+  rows_after_first<W, Tiles>(p, wp, k0, k1, acc, ahead);
 }
 
 inline void store_rows(const Problem& p, int64_t panel, const float* acc) {
@@ -431,8 +491,8 @@ void panel_blocks(const Problem& p, int64_t panel) {
   store_rows(p, panel, acc);
 }
 
-// A block-quantised panel: each block widened into L1 (`Widen`), then multiplied as a float32
-// panel's block is. Its stream is a fifth of a float32 panel's, left to the hardware prefetcher.
+// A block-quantised panel: each block widened into L1 with row 0's products (`Widen`), then the
+// other rows multiplied by it as by a float32 panel's block. Its stream is a fifth of a float32 panel's, left to the hardware prefetcher.
 constexpr int64_t kAhead = 4;
 
 template <WidenFn Widen, int64_t Bytes, typename Tiles>
@@ -452,10 +512,11 @@ void panel_quantised(const Problem& p, int64_t panel) {
       const uint8_t* ahead = src + kAhead * Bytes;
       for (int64_t line = 0; line < Bytes && ahead + line < end; line += 64)
         __builtin_prefetch(ahead + line, 0, 3);
-      Widen(src, block + (k - k0) * kWidth);
+      Widen(src, p.x + k, acc, p.m > 1 ? block + (k - k0) * kWidth : nullptr);
     }
     // The tiles index the panel from its row 0: `block - k0 * kWidth` is that origin.
-    block_rows<float, Tiles>(p, block - k0 * kWidth, k0, k1, acc, Ahead{nullptr, nullptr});
+    if (p.m > 1)
+      rows_after_first<float, Tiles>(p, block - k0 * kWidth, k0, k1, acc, Ahead{nullptr, nullptr});
   }
   store_rows(p, panel, acc);
 }
