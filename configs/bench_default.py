@@ -37,6 +37,9 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   # How the target's and drafters' dense weights are stored: "decode" is the fastest layout for
   # this device (64-column panels on a CPU), or "plain" / "panels" (`pspec_jax.panels`).
   config.weight_layout = "decode"
+  # In the decode layout on a CPU with the kernel, a GGUF target's Q4_1 and Q8_0 weights stay in
+  # their blocks (`pspec_jax.panels`: the same weights, a fifth of the bytes); False: float32.
+  config.gguf_blocks = True
   config.hardware = "cpu"  # what --dry_run plans for: cpu, v4-8, v4-32, v5e-16, gpu-80gb
   config.mesh = ""  # shard over a device mesh, e.g. "data=2,tensor=4"; "" is one device
   config.phase_prompts = 1  # prompts run phase by phase for the draft/verify/commit split

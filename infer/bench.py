@@ -180,6 +180,7 @@ def run(config, progress=True) -> dict:
     untie_head=True,
     weight_layout=config.weight_layout,
     mesh=mesh,
+    gguf_blocks=config.gguf_blocks,
   )
   drafters, drafter_meta = {}, {}
   for method in methods:

@@ -77,7 +77,9 @@ def random_target(name: str, dtype, weight_layout: str, seed: int = 0):
   return llama.Target(cfg=cfg, params=params).with_weight_layout(weight_layout)
 
 
-def load(spec: str, dtype, weight_layout: str, num_prompts: int, prompt_tokens: int):
+def load(
+  spec: str, dtype, weight_layout: str, num_prompts: int, prompt_tokens: int, gguf_blocks=True
+):
   """The target, its encoded prompts (MT-Bench first turns, or random ids for a random target)
   and its EOS ids."""
   if spec.startswith(RANDOM):
@@ -95,6 +97,7 @@ def load(spec: str, dtype, weight_layout: str, num_prompts: int, prompt_tokens: 
     scan_layers=False,
     untie_head=True,
     weight_layout=weight_layout,
+    gguf_blocks=gguf_blocks,
   )
   return target, encoded, checkpoints.eos_token_ids(spec, tokenizer)
 
@@ -107,7 +110,12 @@ def main():
     )
   dtype = jax.numpy.dtype(FLAGS.dtype)
   target, encoded, eos_ids = load(
-    FLAGS.target, dtype, FLAGS.weight_layout, FLAGS.num_prompts, FLAGS.prompt_tokens
+    FLAGS.target,
+    dtype,
+    FLAGS.weight_layout,
+    FLAGS.num_prompts,
+    FLAGS.prompt_tokens,
+    FLAGS.gguf_blocks,
   )
   cfg = decode.DecodeConfig(
     max_new_tokens=FLAGS.max_new_tokens,
@@ -115,8 +123,10 @@ def main():
     num_draft=FLAGS.num_draft,
     tree=FLAGS.tree,
   )
+  blocks = any(x.dtype == jax.numpy.uint8 for x in jax.tree.leaves(target.params))
   print(
-    f"# Round profile: {FLAGS.target}, {FLAGS.dtype}, {target.cfg.weight_layout} weights, "
+    f"# Round profile: {FLAGS.target}, {FLAGS.dtype}, {target.cfg.weight_layout} weights"
+    f"{' (GGUF blocks)' if blocks else ''}, "
     f"K={FLAGS.num_draft}, tree {FLAGS.tree}"
   )
   print(f"{jax.devices()[0].device_kind} ({jax.default_backend()})\n")
@@ -179,6 +189,12 @@ def define_flags():
     "How dense weights are stored: `decode` is the fastest layout for this device.",
   )
   flags.DEFINE_integer("prompt_tokens", 128, "Prompt length for a random target.")
+  flags.DEFINE_bool(
+    "gguf_blocks",
+    True,
+    "In the decode layout with the CPU kernel, keep a GGUF target's Q4_1 and Q8_0 blocks "
+    "(`pspec_jax.panels`); --nogguf_blocks: float32 panels of the same weights.",
+  )
   flags.DEFINE_list("methods", ["pspec", "pld"], "Drafting methods to split into phases.")
   flags.DEFINE_string("drafter", "random", "Drafter directory, or `random` (untrained, seeded).")
   flags.DEFINE_integer("num_draft", 4, "K, draft tokens per round.")

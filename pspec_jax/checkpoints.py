@@ -90,6 +90,7 @@ def load_target(
   untie_head: bool | None = None,
   weight_layout: str = "plain",
   mesh: Mesh | None = None,
+  gguf_blocks: bool = True,
 ) -> Target:
   """Loads a target by name, HF directory or .gguf path. One ValueError for any bad input.
 
@@ -97,7 +98,8 @@ def load_target(
   the dense weights in `decode_layout`'s layout, per-layer parameters (not scanned) and a tied
   LM head stored as its own [D, V] copy of the embedding (one more V x D array; on a CPU a
   plain decoding step took 20.6 ms with it against 23.1 ms without); on a CPU with the kernel
-  a GGUF file's Q4_1 and Q8_0 weights stay in their blocks (`keeps_gguf_blocks`). Otherwise
+  a GGUF file's Q4_1 and Q8_0 weights stay in their blocks (`keeps_gguf_blocks`; not with
+  `gguf_blocks=False`: float32 panels of the same weights). Otherwise
   (the training layout, "plain") the layers are scanned and a tied head stays tied.
   `scan_layers` and `untie_head` override either choice (see `LlamaConfig.scan_layers`). With a
   `mesh`, every tensor goes straight from the file to its shards (`sharding.RULES`), so the host
@@ -129,7 +131,7 @@ def load_target(
     # Stacked on device from the per-layer shards; now laid out as the scanned tree's rules say.
     params = jax.device_put(params, sharding.param_shardings(llama.init_boxed, cfg, mesh))
   target = Target(cfg=cfg, params=params).with_weight_layout(weight_layout)
-  if decoding and source.kind == "gguf" and keeps_gguf_blocks(target.cfg, mesh):
+  if decoding and gguf_blocks and source.kind == "gguf" and keeps_gguf_blocks(target.cfg, mesh):
     target = target.replace(params=weights.gguf_block_panels(reader, cfg, target.params))
   return target
 

@@ -51,6 +51,7 @@ __all__ = [
   "pack",
   "pack_blocks",
   "packed_shape",
+  "take_columns",
   "unpack",
 ]
 
@@ -119,7 +120,7 @@ def dequantize(w_PBQ: jax.Array) -> jax.Array:
   """Block-quantised panels [..., P, K/32, B] uint8 -> float32 panels [..., P, K, 64], the
   weights GGUF's dequantisation gives, bit for bit (d q is exact; d q + m rounds once)."""
   *lead, nb, size = w_PBQ.shape
-  kind = {v: t for t, v in BLOCK_BYTES.items()}[size]
+  kind = _block_kind(size)
   scales = lambda i: lax.bitcast_convert_type(
     w_PBQ[..., 4 * WIDTH * i : 4 * WIDTH * (i + 1)].reshape(*lead, nb, 1, WIDTH, 4), jnp.float32
   )
@@ -131,6 +132,38 @@ def dequantize(w_PBQ: jax.Array) -> jax.Array:
     q = lax.bitcast_convert_type(w_PBQ[..., 4 * WIDTH :], jnp.int8)
     w = scales(0) * q.reshape(*lead, nb, QUANT_K, WIDTH).astype(jnp.float32)
   return w.reshape(*lead, nb * QUANT_K, WIDTH)
+
+
+def take_columns(w_PBQ: jax.Array, ids: jax.Array) -> jax.Array:
+  """Columns `ids` [V] of block-quantised panels [P, K/32, B], as block-quantised panels of
+  their own, [ceil(V / 64), K/32, B]: the same blocks (a restricted LM head of a quantised one)."""
+  p, nb, size = w_PBQ.shape
+  kind = _block_kind(size)
+  v = ids.shape[0]
+  p2 = math.ceil(v / WIDTH)
+  ids = jnp.pad(ids, (0, p2 * WIDTH - v))  # padding columns repeat column 0; products drop them
+  panel, column = ids // WIDTH, ids % WIDTH
+
+  def gather(part):  # [P, nb, X, 64] -> [P2, nb, X, 64], columns ids
+    x = part[panel, :, :, column]  # [V, nb, X]
+    return jnp.moveaxis(x.reshape(p2, WIDTH, nb, -1), 1, -1)
+
+  def scales(i):  # the i-th float32 [64] of each block, as [P2, nb, 4 * 64] bytes
+    b = w_PBQ[..., 4 * WIDTH * i : 4 * WIDTH * (i + 1)].reshape(p, nb, WIDTH, 4)
+    return jnp.swapaxes(gather(jnp.swapaxes(b, -1, -2)), -1, -2).reshape(p2, nb, 4 * WIDTH)
+
+  if kind == "Q4_1":
+    q = w_PBQ[..., 8 * WIDTH :].reshape(p, nb, QUANT_K, WIDTH // 2)
+    q = gather(jnp.concatenate([q & 15, q >> 4], axis=-1))
+    values = q[..., : WIDTH // 2] | (q[..., WIDTH // 2 :] << 4)
+    parts = [scales(0), scales(1), values]
+  else:
+    parts = [scales(0), gather(w_PBQ[..., 4 * WIDTH :].reshape(p, nb, QUANT_K, WIDTH))]
+  return jnp.concatenate([x.reshape(p2, nb, -1) for x in parts], axis=-1)
+
+
+def _block_kind(size: int) -> str:
+  return {v: t for t, v in BLOCK_BYTES.items()}[size]
 
 
 def floats(w: jax.Array) -> jax.Array:

@@ -87,6 +87,18 @@ def test_block_quantised_panels_multiply_as_the_files_dequantised_weights(m, k, 
   np.testing.assert_array_equal(bits(matmul(x, wq, n=n)), bits(matmul(x, wf, n=n)))
 
 
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_columns_taken_from_block_quantised_panels_keep_their_blocks(kind):
+  raw, w_KN = testing.gguf_blocks(np.random.default_rng(1), kind, 96, 200)
+  wq = jnp.asarray(panels.pack_blocks(raw, kind, 96, 200))
+  for ids in ([199, 0, 63, 64, 130, 5, 5], list(range(200))[::-3]):
+    taken = panels.take_columns(wq, jnp.asarray(ids))
+    assert taken.dtype == jnp.uint8 and taken.shape == (-(-len(ids) // 64), 3, wq.shape[-1])
+    want = panels.pack(jnp.asarray(w_KN[:, ids]))
+    got = panels.dequantize(taken)[..., : want.shape[-2], :]
+    np.testing.assert_array_equal(panels.unpack(got, len(ids)), panels.unpack(want, len(ids)))
+
+
 def test_block_quantised_panels_of_an_unknown_type_or_width_are_one_clear_error():
   raw, _ = testing.gguf_blocks(np.random.default_rng(0), "Q4_1", 64, 8)
   with pytest.raises(ValueError, match="no block-quantised panels for GGUF type Q4_K"):
@@ -117,6 +129,15 @@ def test_a_gguf_target_decodes_from_its_blocks_where_the_kernel_runs(tmp_path, t
   )
   ids = jnp.asarray([0, 63, 64, 129])
   np.testing.assert_array_equal(decoding.head_rows(ids), floats.head_rows(ids))
+  # A restricted draft head: the head's own blocks, the same draft logits.
+  g = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 64)), jnp.float32)
+  draft_logits = []
+  for t in (decoding, floats):
+    drafter = drafter_lib.random_drafter("pspec", t, jax.random.key(1), draft_vocab_size=70)
+    drafter = drafter.replace(vocab=jnp.arange(129, 59, -1, dtype=jnp.int32)).with_head(t)
+    assert (drafter.head.dtype == jnp.uint8) == (t is decoding and bool(quantised))
+    draft_logits.append(bits(drafter.logits(t, g)))
+  np.testing.assert_array_equal(*draft_logits)
   plain = decoding.with_weight_layout("plain")
   want = floats.with_weight_layout("plain")
   assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), plain.params, want.params))
