@@ -121,49 +121,65 @@ def dequantize(w_PBQ: jax.Array) -> jax.Array:
   weights GGUF's dequantisation gives, bit for bit (d q is exact; d q + m rounds once)."""
   *lead, nb, size = w_PBQ.shape
   kind = _block_kind(size)
-  scales = lambda i: lax.bitcast_convert_type(
-    w_PBQ[..., 4 * WIDTH * i : 4 * WIDTH * (i + 1)].reshape(*lead, nb, 1, WIDTH, 4), jnp.float32
-  )
+  scales, q = _split(w_PBQ)
+
+  def as_f32(s):  # [..., nb, 4, 64] bytes -> [..., nb, 1, 64] float32
+    return lax.bitcast_convert_type(jnp.swapaxes(s, -1, -2), jnp.float32)[..., None, :]
+
   if kind == "Q4_1":
-    q = w_PBQ[..., 8 * WIDTH :].reshape(*lead, nb, QUANT_K, WIDTH // 2)
-    q = jnp.concatenate([q & 15, q >> 4], axis=-1).astype(jnp.float32)
-    w = scales(0) * q + scales(1)
+    w = as_f32(scales[0]) * q.astype(jnp.float32) + as_f32(scales[1])
   else:
-    q = lax.bitcast_convert_type(w_PBQ[..., 4 * WIDTH :], jnp.int8)
-    w = scales(0) * q.reshape(*lead, nb, QUANT_K, WIDTH).astype(jnp.float32)
+    w = as_f32(scales[0]) * lax.bitcast_convert_type(q, jnp.int8).astype(jnp.float32)
   return w.reshape(*lead, nb * QUANT_K, WIDTH)
 
 
 def take_columns(w_PBQ: jax.Array, ids: jax.Array) -> jax.Array:
   """Columns `ids` [V] of block-quantised panels [P, K/32, B], as block-quantised panels of
   their own, [ceil(V / 64), K/32, B]: the same blocks (a restricted LM head of a quantised one)."""
-  p, nb, size = w_PBQ.shape
-  kind = _block_kind(size)
+  nb = w_PBQ.shape[1]
   v = ids.shape[0]
   p2 = math.ceil(v / WIDTH)
   ids = jnp.pad(ids, (0, p2 * WIDTH - v))  # padding columns repeat column 0; products drop them
   panel, column = ids // WIDTH, ids % WIDTH
 
-  def gather(part):  # [P, nb, X, 64] -> [P2, nb, X, 64], columns ids
-    x = part[panel, :, :, column]  # [V, nb, X]
-    return jnp.moveaxis(x.reshape(p2, WIDTH, nb, -1), 1, -1)
+  def gather(part):  # [P, nb, ..., 64] -> [P2, nb, ..., 64], columns ids
+    x = jnp.moveaxis(part, -1, 1)[panel, column]  # [V, nb, ...]
+    return jnp.moveaxis(x.reshape(p2, WIDTH, nb, *part.shape[2:-1]), 1, -1)
 
-  def scales(i):  # the i-th float32 [64] of each block, as [P2, nb, 4 * 64] bytes
-    b = w_PBQ[..., 4 * WIDTH * i : 4 * WIDTH * (i + 1)].reshape(p, nb, WIDTH, 4)
-    return jnp.swapaxes(gather(jnp.swapaxes(b, -1, -2)), -1, -2).reshape(p2, nb, 4 * WIDTH)
-
-  if kind == "Q4_1":
-    q = w_PBQ[..., 8 * WIDTH :].reshape(p, nb, QUANT_K, WIDTH // 2)
-    q = gather(jnp.concatenate([q & 15, q >> 4], axis=-1))
-    values = q[..., : WIDTH // 2] | (q[..., WIDTH // 2 :] << 4)
-    parts = [scales(0), scales(1), values]
-  else:
-    parts = [scales(0), gather(w_PBQ[..., 4 * WIDTH :].reshape(p, nb, QUANT_K, WIDTH))]
-  return jnp.concatenate([x.reshape(p2, nb, -1) for x in parts], axis=-1)
+  scales, q = _split(w_PBQ)
+  return _join([gather(s) for s in scales], gather(q))
 
 
 def _block_kind(size: int) -> str:
   return {v: t for t, v in BLOCK_BYTES.items()}[size]
+
+
+def _split(w_PBQ: jax.Array) -> tuple[list[jax.Array], jax.Array]:
+  """Block-quantised panels -> (their float32 scales (Q4_1: and minimums) as bytes, each
+  [..., nb, 4, 64]; their values [..., nb, 32, 64] uint8: Q4_1's 0..15, Q8_0's int8 bits)."""
+  *lead, nb, size = w_PBQ.shape
+  kind = _block_kind(size)
+  count = 2 if kind == "Q4_1" else 1
+  scales = [
+    jnp.swapaxes(
+      w_PBQ[..., 4 * WIDTH * i : 4 * WIDTH * (i + 1)].reshape(*lead, nb, WIDTH, 4), -1, -2
+    )
+    for i in range(count)
+  ]
+  q = w_PBQ[..., 4 * WIDTH * count :]
+  if kind == "Q4_1":  # column c in the low nibble, c + 32 in the high one
+    q = q.reshape(*lead, nb, QUANT_K, WIDTH // 2)
+    return scales, jnp.concatenate([q & 15, q >> 4], axis=-1)
+  return scales, q.reshape(*lead, nb, QUANT_K, WIDTH)
+
+
+def _join(scales: list[jax.Array], q: jax.Array) -> jax.Array:
+  """The inverse of `_split`."""
+  *lead, nb, _, _ = q.shape
+  if len(scales) == 2:  # Q4_1
+    q = q[..., : WIDTH // 2] | (q[..., WIDTH // 2 :] << 4)
+  parts = [jnp.swapaxes(s, -1, -2) for s in scales] + [q]
+  return jnp.concatenate([x.reshape(*lead, nb, -1) for x in parts], axis=-1)
 
 
 def floats(w: jax.Array) -> jax.Array:

@@ -491,9 +491,10 @@ void panel_blocks(const Problem& p, int64_t panel) {
   store_rows(p, panel, acc);
 }
 
+constexpr int64_t kAhead = 4;  // quantisation blocks asked for ahead of the one being widened
+
 // A block-quantised panel: each block widened into L1 with row 0's products (`Widen`), then the
-// other rows multiplied by it as by a float32 panel's block. Its stream is a fifth of a float32 panel's, left to the hardware prefetcher.
-constexpr int64_t kAhead = 4;
+// other rows multiplied by it as by a float32 panel's block.
 
 template <WidenFn Widen, int64_t Bytes, typename Tiles>
 void panel_quantised(const Problem& p, int64_t panel) {
@@ -517,9 +518,11 @@ void panel_quantised(const Problem& p, int64_t panel) {
       prefetch(src + kAhead * Bytes, src + (kAhead + 1) * Bytes);
       Widen(src, p.x + k, acc, p.m > 1 ? block + (k - k0) * kWidth : nullptr);
     }
-    // The tiles index the panel from its row 0: `block - k0 * kWidth` is that origin.
-    if (p.m > 1)
-      rows_after_first<float, Tiles>(p, block - k0 * kWidth, k0, k1, acc, Ahead{nullptr, nullptr});
+    if (p.m > 1) {  // the block is panel rows k0..k1: x's columns from k0 on, rows 0..k1 - k0
+      Problem shifted = p;
+      shifted.x = p.x + k0;
+      rows_after_first<float, Tiles>(shifted, block, 0, k1 - k0, acc, Ahead{nullptr, nullptr});
+    }
   }
   store_rows(p, panel, acc);
 }
