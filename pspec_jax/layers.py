@@ -259,5 +259,23 @@ class RMSNorm(nn.Module):
       self, "scale", nn.initializers.ones, (x.shape[-1],), ("embed",), self.cfg.param_dtype
     )
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.cfg.rms_norm_eps)
+    mean = row_sum(x32 * x32) / x32.shape[-1]
+    x32 = x32 * jax.lax.rsqrt(mean + self.cfg.rms_norm_eps)
     return (scale.astype(jnp.float32) * x32).astype(self.cfg.dtype)
+
+
+def row_sum(x: jax.Array) -> jax.Array:
+  """The sum over the last axis, keeping it (size 1), in an order fixed by the width alone.
+
+  XLA:CPU reduces rows in an order that depends on how many rows it reduces (from 8 rows on it
+  vectorises across them), so a row's sum, and everything after it, changed with the rows
+  beside it: a verified tree node's norm was not a plain step's. Elementwise adds of halves
+  (pairwise summation) fix the order on every backend.
+  """
+  while x.shape[-1] > 1:
+    half = x.shape[-1] // 2
+    rest = x[..., 2 * half :]  # an odd width's last element, added to the first
+    x = x[..., :half] + x[..., half : 2 * half]
+    if rest.shape[-1]:
+      x = jnp.concatenate([x[..., :1] + rest, x[..., 1:]], axis=-1)
+  return x

@@ -584,3 +584,32 @@ def test_a_gated_round_leaves_unlikely_drafts_out_of_the_pass(target):
 
 def _plan(cfg, drafter, width=8):
   return decode.make_plan(cfg, drafter, width)
+
+
+@pytest.mark.parametrize("weights", ["panels", "blocks"])
+def test_a_tree_node_computes_a_plain_steps_logits_bit_for_bit(weights):
+  # Greedy speculation is lossless only if a node's logits are the plain step's bits whatever
+  # rows share its pass: near-ties are rare with float32 products, but 8-bit activations turn a
+  # last-bit difference into another greedy token. (XLA's mean over SmolLM2's 576 features
+  # changed from 8 rows on.)
+  target = checkpoints.load_target(
+    "smollm2-135m-instruct", weight_layout="decode", gguf_blocks=weights == "blocks"
+  )
+  assert any(x.dtype == jnp.uint8 for x in jax.tree.leaves(target.params)) == (
+    weights == "blocks" and cpu_kernel.available()
+  )
+  prompt = jnp.asarray([np.arange(70) % 129], jnp.int32)  # a prefill past the kernel's 64 rows
+  _, kv = target(prompt, jnp.arange(70)[None])
+  cache = target.empty_cache(batch=1, max_len=128).write(kv, jnp.array([70]))
+  step = jax.jit(lambda t, pos, mask: target.logits(target(t, pos, cache, mask)[0]))
+  plain = np.asarray(step(jnp.asarray([[7]]), jnp.asarray([[70]]), jnp.ones((1, 1, 1), bool)))
+  rng = np.random.default_rng(0)
+  for t in (2, 7, 8, 9, 16, 33):
+    others = rng.integers(0, 129, t - 1)
+    nodes = jnp.asarray([[7, *others]], jnp.int32)
+    positions = jnp.asarray([[70, *rng.integers(70, 75, t - 1)]], jnp.int32)
+    mask = np.tril(rng.random((t, t)) < 0.5) | np.eye(t, dtype=bool)
+    mask[:, 0] = True  # every node descends from the root, which sees only itself
+    mask[0, 1:] = False
+    got = np.asarray(step(nodes, positions, jnp.asarray(mask)[None]))
+    np.testing.assert_array_equal(got[:, :1].view(np.uint32), plain.view(np.uint32), str(t))
