@@ -7,11 +7,13 @@ verification's attention (`layers.attend`). YNNPACK, which XLA:CPU gives every p
 two rows or more, reads a panel as one stream but loses it again from about 6 rows on, and its
 one-row product is no faster than the plain layout's. The kernel streams each panel once,
 whatever the number of rows (up to `MAX_ROWS`), on every core: a thread takes a panel, reads it
-in blocks that stay in L1 and multiplies every row by each block. A GGUF weight can stay in its
-Q4_1 or Q8_0 blocks (`panels.pack_blocks`): each block is widened in L1 to the float32 weights
-the file's dequantisation gives, then multiplied the same way. Each output element is one
+in blocks that stay in L1 and multiplies every row by each block. Each output element is one
 fused multiply-add per k in k order, so a row's result does not depend on how many rows share
-the call: a verified tree node computes bit for bit what a plain decoding step computes.
+the call: a verified tree node computes bit for bit what a plain decoding step computes. A GGUF
+weight can stay in its Q4_1 or Q8_0 blocks (`panels.pack_blocks`), multiplied as llama.cpp
+multiplies them: each row of x quantised to 8 bits per 32 k, exact integer dot products with the
+4- or 8-bit values (AVX-512 VNNI where the CPU has it), then one float update per block; again
+a row's result is its own, and the same on every instruction set.
 
 XLA splits a decoding step's attention into a dozen small dots and reductions that read the
 cache in pieces (at batch 32, 5-10x slower than reading it once). `attention` reads each key and
@@ -186,7 +188,8 @@ def build_id() -> str:
 
 def matmul(x_MK: jax.Array, w_PKC: jax.Array, n: int) -> jax.Array:
   """x @ W with the kernel: [M, K] x [P, K, 64] (float32 or bfloat16), or block-quantised
-  panels [P, K/32, B] uint8 (`panels.pack_blocks`), -> [M, n] float32.
+  panels [P, K/32, B] uint8 (`panels.pack_blocks`, x then quantised to 8 bits per 32 k), ->
+  [M, n] float32.
 
   Call only where `available()` and on a CPU (`panels.matmul` does both checks).
   """

@@ -25,11 +25,14 @@ any leading (e.g. stacked-layer) axes.
 Block-quantised panels. A weight that a GGUF file stores in Q4_1 or Q8_0 blocks can stay in
 them: `pack_blocks` regroups the file's blocks into panels, `[P, K/32, B]` uint8 (`BLOCK_BYTES`:
 each 64 columns by 32 k carry their float scales and 4- or 8-bit values), a fifth of the float32
-panels' bytes. The CPU kernel widens each block in cache with GGUF's own arithmetic (d q + m,
-exact but for one rounding, as numpy's dequantisation rounds it) and multiplies it as it does a
-float32 panel; `dequantize` gives the same float32 panels in JAX, which every other path (a
-prefill, XLA without the kernel) multiplies. Either way a product equals, bit for bit, that of
-the float32 panels of the weight the file's dequantisation gives: the model is the same model.
+panels' bytes. The CPU kernel multiplies them as llama.cpp does: x quantised to 8 bits per 32 k
+(dx = max |x| / 127), exact integer dot products per block, then y += (d dx) isum (+ m dx sum
+qx), every row count alike (a prefill in calls of `cpu_kernel.MAX_ROWS` rows), so a row's result
+is its own. The model is llama.cpp's model of the file: within about a percent of the float32
+products of the dequantised weights. `dequantize` gives those weights (GGUF's own
+dequantisation, bit for bit) for every path that reads rows of them (`relayout`, a head's rows)
+and for XLA's product where the kernel does not run (the loader keeps blocks only where it
+does).
 """
 
 import math
@@ -59,8 +62,8 @@ LAYOUTS = ("plain", "panels")
 WIDTH = 64
 QUANT_K = 32  # k per quantisation block
 # Bytes of one block-quantised panel block (64 columns by 32 k), by GGUF type: float32 scales d
-# (Q4_1: and minimums m), 64, then the values, 32 rows of 64 columns. Q4_1 packs two columns
-# in a byte: column c in the low nibble, c + 32 in the high one.
+# (Q4_1: and minimums m), 64, then the values in the order integer dot products read them
+# (`_value_order`). Q4_1 packs two columns in a byte.
 BLOCK_BYTES = {"Q4_1": 2 * 4 * WIDTH + QUANT_K * WIDTH // 2, "Q8_0": 4 * WIDTH + QUANT_K * WIDTH}
 _GGUF_BLOCK_BYTES = {"Q4_1": 4 + QUANT_K // 2, "Q8_0": 2 + QUANT_K}  # a GGUF block of 32 weights
 
@@ -109,11 +112,43 @@ def pack_blocks(blocks: np.ndarray, kind: str, k: int, n: int) -> np.ndarray:
   if kind == "Q4_1":
     qs = b[..., 4:]  # element j in the low nibble of byte j, element j + 16 in the high one
     q = panelled(np.concatenate([qs & 15, qs >> 4], axis=-1))  # [P, nb, 32 k, 64 c]
-    values = q[..., : WIDTH // 2] | (q[..., WIDTH // 2 :] << 4)
-    parts = [f32_bytes(b[..., 0:2]), f32_bytes(b[..., 2:4]), values]
+    scales = [f32_bytes(b[..., 0:2]), f32_bytes(b[..., 2:4])]
   else:
-    parts = [f32_bytes(b[..., 0:2]), panelled(b[..., 2:])]
+    q, scales = panelled(b[..., 2:]), [f32_bytes(b[..., 0:2])]
+  parts = [*scales, _value_order(np, q, kind)]
   return np.concatenate([x.reshape(p, nb, -1) for x in parts], axis=-1)
+
+
+def _value_order(xp, q, kind: str):
+  """A block's values [..., 32 k, 64 c] (Q4_1: 0..15; Q8_0: int8 bits) in the order the
+  kernel's integer dot products read them: for each 4 k (a quad j), 16 columns by 4 k a
+  64-byte vector, each 32-bit lane one column's 4 products. Q4_1: per quad 2 vectors, the
+  low nibbles columns 32h..32h+15, the high ones 32h+16..32h+31 (h = 0, 1); Q8_0: per quad 4
+  vectors of columns 16g..16g+15, each value + 128 (unsigned). `xp`: numpy or jax.numpy."""
+  lead = q.shape[:-2]
+  n = len(lead)
+  if kind == "Q4_1":
+    q = q.reshape(*lead, 8, 4, 2, 2, 16)  # k = 4j + r, c = 32h + 16 hi + i: [j, r, h, hi, i]
+    v = q[..., 0, :] | (q[..., 1, :] << 4)  # [j, r, h, i]
+    v = xp.transpose(v, (*range(n), n, n + 2, n + 3, n + 1))  # [j, h, i, r]
+  else:
+    q = q.reshape(*lead, 8, 4, 4, 16)  # [j, r, g, i]
+    v = xp.transpose(q, (*range(n), n, n + 2, n + 3, n + 1)) ^ 0x80  # [j, g, i, r]
+  return v.reshape(*lead, QUANT_K * WIDTH // (2 if kind == "Q4_1" else 1))
+
+
+def _natural_order(xp, v, kind: str):
+  """The inverse of `_value_order`: [..., B values] -> [..., 32 k, 64 c]."""
+  lead = v.shape[:-1]
+  n = len(lead)
+  if kind == "Q4_1":
+    v = v.reshape(*lead, 8, 2, 16, 4)  # [j, h, i, r]
+    q = xp.stack([v & 15, v >> 4], axis=n + 2)  # [j, h, hi, i, r]
+    q = xp.transpose(q, (*range(n), n, n + 4, n + 1, n + 2, n + 3))  # [j, r, h, hi, i]
+  else:
+    v = (v ^ 0x80).reshape(*lead, 8, 4, 16, 4)  # [j, g, i, r]
+    q = xp.transpose(v, (*range(n), n, n + 3, n + 1, n + 2))  # [j, r, g, i]
+  return q.reshape(*lead, QUANT_K, WIDTH)
 
 
 def dequantize(w_PBQ: jax.Array) -> jax.Array:
@@ -166,19 +201,14 @@ def _split(w_PBQ: jax.Array) -> tuple[list[jax.Array], jax.Array]:
     )
     for i in range(count)
   ]
-  q = w_PBQ[..., 4 * WIDTH * count :]
-  if kind == "Q4_1":  # column c in the low nibble, c + 32 in the high one
-    q = q.reshape(*lead, nb, QUANT_K, WIDTH // 2)
-    return scales, jnp.concatenate([q & 15, q >> 4], axis=-1)
-  return scales, q.reshape(*lead, nb, QUANT_K, WIDTH)
+  return scales, _natural_order(jnp, w_PBQ[..., 4 * WIDTH * count :], kind)
 
 
 def _join(scales: list[jax.Array], q: jax.Array) -> jax.Array:
   """The inverse of `_split`."""
   *lead, nb, _, _ = q.shape
-  if len(scales) == 2:  # Q4_1
-    q = q[..., : WIDTH // 2] | (q[..., WIDTH // 2 :] << 4)
-  parts = [jnp.swapaxes(s, -1, -2) for s in scales] + [q]
+  kind = "Q4_1" if len(scales) == 2 else "Q8_0"
+  parts = [jnp.swapaxes(s, -1, -2) for s in scales] + [_value_order(jnp, q, kind)]
   return jnp.concatenate([x.reshape(*lead, nb, -1) for x in parts], axis=-1)
 
 
@@ -192,8 +222,9 @@ def matmul(x_XK: jax.Array, w_PKC: jax.Array, n: int, dtype=None, preferred_elem
   (default: x's), the result in `preferred_element_type` (default: `dtype`).
 
   On a CPU where the panel kernel is built (`pspec_jax.cpu_kernel`: float32, bfloat16 or
-  block-quantised weights, float32 arithmetic), up to `cpu_kernel.MAX_ROWS` rows go to it and
-  more rows (a prefill) to XLA's GEMM on the unpacked weight; without it, and on every other
+  block-quantised weights), up to `cpu_kernel.MAX_ROWS` rows go to it and more rows (a
+  prefill) to XLA's GEMM on the unpacked weight, but for block-quantised weights, whose rows
+  all take the kernel's 8-bit arithmetic (in calls of `MAX_ROWS`); without it, and on every other
   device, every product takes XLA's batched dot below. Either way a row's result does not
   depend on how many rows share the call, so a verified tree node computes bit for bit what a
   plain decoding step computes.
@@ -224,11 +255,16 @@ def matmuls(x_XK: jax.Array, weights, dtype=None, preferred_element_type=None) -
     and cpu_kernel.available()
   )
   if kernel:
-    if m <= cpu_kernel.MAX_ROWS:
-
+    if m <= cpu_kernel.MAX_ROWS or any(w.dtype == jnp.uint8 for w in ws):
+      # Block-quantised weights take the kernel's arithmetic whatever the rows (a prefill in
+      # calls of `MAX_ROWS`), so every row is computed alike.
       def cpu(x, *ws):
-        ys = cpu_kernel.matmuls(x, list(zip(ws, ns, strict=True)))
-        return [y.astype(out_dtype) for y in ys]
+        step = cpu_kernel.MAX_ROWS
+        parts = [
+          cpu_kernel.matmuls(x[i : i + step], list(zip(ws, ns, strict=True)))
+          for i in range(0, m, step)
+        ]
+        return [jnp.concatenate(ys, axis=0).astype(out_dtype) for ys in zip(*parts, strict=True)]
     else:
       # A prefill: compute-bound, where XLA:CPU's GEMM on the plain layout is fastest, even
       # after unpacking (measured 2.4x faster than the batched dot at 512 rows).

@@ -24,6 +24,7 @@ __all__ = [
   "assert_matches_joint",
   "drafter_for",
   "exact_joint",
+  "gguf_block_matmul",
   "gguf_blocks",
   "make_target",
   "padded",
@@ -195,6 +196,36 @@ def gguf_blocks(rng, kind: str, k: int, n: int, scale: float = 1.0):
   qtype = gguf.GGMLQuantizationType[kind]
   raw = gguf.quants.quantize((scale * rng.standard_normal((n, k))).astype(np.float32), qtype)
   return raw, np.asarray(gguf.quants.dequantize(raw, qtype), np.float32).reshape(n, k).T
+
+
+def gguf_block_matmul(x_MK, raw, kind: str, k: int, n: int) -> np.ndarray:
+  """x @ W [M, n] float32 as the CPU kernel multiplies a GGUF weight's blocks (`raw`, as
+  `gguf_blocks` gives them), written out in numpy: x quantised to 8 bits per 32 k, exact
+  integer sums per block, then y += (d dx) isum (+ m sx) per block in K order, each rounded
+  once (computed in float64: within one float32 rounding of the kernel's fused multiply-add)."""
+  nb = k // 32
+  b = np.asarray(raw, np.uint8).reshape(n, nb, -1)
+  half = lambda part: np.ascontiguousarray(part).view(np.float16)[..., 0].astype(np.float32)
+  d = half(b[..., 0:2])
+  if kind == "Q4_1":
+    m, qs = half(b[..., 2:4]), b[..., 4:]
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.int64)
+  else:
+    m, q = None, b[..., 2:].view(np.int8).astype(np.int64)
+  x = np.asarray(x_MK, np.float32).reshape(-1, nb, 32)
+  dx = np.abs(x).max(-1) / np.float32(127)
+  inv = np.where(dx != 0, np.float32(1) / np.where(dx != 0, dx, 1), 0).astype(np.float32)
+  qx = np.rint(x * inv[..., None]).astype(np.int64)
+  sx = dx * qx.sum(-1).astype(np.float32)
+  isum = np.einsum("Mbi,nbi->Mnb", qx, q)
+  y = np.zeros((x.shape[0], n), np.float32)
+  f64 = lambda a: np.asarray(a, np.float64)
+  for j in range(nb):
+    t = d[None, :, j] * dx[:, j, None]
+    y = (f64(t) * f64(isum[..., j]) + f64(y)).astype(np.float32)
+    if m is not None:
+      y = (f64(m[None, :, j]) * f64(sx[:, j, None]) + f64(y)).astype(np.float32)
+  return y
 
 
 def save_gguf_llama(path, seed=0, dense="Q4_1", embedding="Q8_0", tied=True, scale=3.0):

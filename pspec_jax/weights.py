@@ -381,7 +381,7 @@ _GGUF_DENSE = {
 def gguf_block_panels(reader, cfg: LlamaConfig, params: dict) -> dict:
   """`params` (per-layer, dense weights in panels) with every dense weight that the GGUF file
   stores in a block type the CPU kernel reads (`panels.BLOCK_BYTES`) as block-quantised panels
-  of the file's own blocks: the same weights, bit for bit, in a fifth of the bytes. A tied head
+  of the file's own blocks: the same weights in a fifth of the bytes. A tied head
   stored as its own copy (`head_from_embedding`) takes the embedding's blocks."""
   tensors = {t.name: t for t in reader.tensors}
 

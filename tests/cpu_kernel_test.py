@@ -98,17 +98,20 @@ def test_calls_from_several_threads_at_once_each_get_their_own_product():
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
-def test_block_quantised_panels_equal_numpy_and_the_float_panels_bit_for_bit(kind):
-  # Every M up to 16 and the most the kernel takes; K through whole and half 64-row blocks.
+def test_block_quantised_panels_equal_numpy_s_integer_arithmetic(kind):
+  # Every M up to 16 and the most the kernel takes; K from one block to 5. x scaled over 8
+  # orders of magnitude, with zero blocks (scale 0) and exact ties of the 8-bit rounding.
   rng = np.random.default_rng(len(kind))
   for m in [*range(1, 17), cpu_kernel.MAX_ROWS]:
     k, n = 32 * (1 + m % 5), 40 + 23 * m
     raw, w_KN = testing.gguf_blocks(rng, kind, k, n)
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    x = rng.standard_normal((m, k)) * 10.0 ** rng.integers(-4, 4, (m, 1))
+    x[0, :32] = 0.0
+    x[-1, :32] = np.arange(32) - 15.5  # x / dx lands on halves: rounded to even
+    x = jnp.asarray(x, jnp.float32)
     got = np.asarray(kernel_matmul(x, jnp.asarray(panels.pack_blocks(raw, kind, k, n)), n))
-    np.testing.assert_allclose(got, _exact(x, w_KN), atol=2e-6 * k * np.abs(w_KN).max())
-    want = np.asarray(kernel_matmul(x, panels.pack(jnp.asarray(w_KN)), n))
-    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    want = testing.gguf_block_matmul(x, raw, kind, k, n)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
 
 
 def test_weights_of_another_type_or_block_size_are_one_clear_error():
@@ -165,15 +168,22 @@ _CHECK = textwrap.dedent(
   np.testing.assert_allclose(got, x.astype(np.float64) @ w_KN, atol=1e-3)
   alone = np.asarray(f(jnp.asarray(x[4:5])))
   assert np.array_equal(got[4:5], alone)
-  # Block-quantised panels: the float panels' products of the dequantised weights, bit for bit.
+  # Block-quantised panels: with the kernel, numpy's integer arithmetic (`gguf_block_matmul`),
+  # a row alone as in company; without it, the float panels of the dequantised weights.
   from pspec_jax import testing
   for kind in ("Q4_1", "Q8_0"):
     raw, w_KN = testing.gguf_blocks(rng, kind, 320, 130)
-    q = panels.pack_blocks(raw, kind, 320, 130)
+    q = jnp.asarray(panels.pack_blocks(raw, kind, 320, 130))
     xq = rng.standard_normal((9, 320)).astype(np.float32)
     product = jax.jit(lambda x, w: panels.matmul(x, w, 130))
-    want = np.asarray(product(xq, panels.pack(jnp.asarray(w_KN))))
-    assert np.array_equal(np.asarray(product(xq, jnp.asarray(q))), want), kind
+    got = np.asarray(product(xq, q))
+    if cpu_kernel.available():
+      want = testing.gguf_block_matmul(xq, raw, kind, 320, 130)
+      np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+      assert np.array_equal(got[4:5], np.asarray(product(xq[4:5], q))), kind
+    else:
+      want = np.asarray(product(xq, panels.pack(jnp.asarray(w_KN))))
+      assert np.array_equal(got, want), kind
   # Decoding attention: its own answer against numpy's, on the ISA and threads of the run.
   from tests.cpu_kernel_test import attention_case, numpy_attention
   for h in (64, 12):
@@ -227,8 +237,9 @@ _PRODUCTS = textwrap.dedent(
 
 
 def test_the_avx512_and_avx2_paths_give_the_same_bits(tmp_path):
-  # One fused multiply-add per k in k order on both: a calibration or a decode on either
-  # instruction set computes the same products.
+  # One fused multiply-add per k in k order on both (block-quantised panels: the same integer
+  # sums and updates): a calibration or a decode on either instruction set computes the same
+  # products.
   got = {}
   for isa in ("", "avx2"):
     path = tmp_path / f"{isa or 'default'}.npz"

@@ -75,7 +75,9 @@ BLOCK_SHAPES = [(1, 64, 130), (3, 96, 64), (8, 576, 192), (16, 32, 1), (80, 160,
 
 @pytest.mark.parametrize("m,k,n", BLOCK_SHAPES)
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
-def test_block_quantised_panels_multiply_as_the_files_dequantised_weights(m, k, n, kind):
+def test_block_quantised_panels_hold_the_files_weights_and_multiply_as_the_kernel_does(
+  m, k, n, kind, product_path
+):
   rng = np.random.default_rng(m * 1000 + n)
   raw, w_KN = testing.gguf_blocks(rng, kind, k, n)
   wq = jnp.asarray(panels.pack_blocks(raw, kind, k, n))
@@ -84,7 +86,17 @@ def test_block_quantised_panels_multiply_as_the_files_dequantised_weights(m, k, 
   bits = lambda a: np.asarray(a).view(np.uint32)
   np.testing.assert_array_equal(bits(panels.dequantize(wq)), bits(wf))  # GGUF's own weights
   x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
-  np.testing.assert_array_equal(bits(matmul(x, wq, n=n)), bits(matmul(x, wf, n=n)))
+  got = np.asarray(matmul(x, wq, n=n))
+  if product_path == "kernel":  # llama.cpp's arithmetic, every row count (80: a prefill)
+    want = testing.gguf_block_matmul(x, raw, kind, k, n)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    alone = np.stack([np.asarray(matmul(x[i : i + 1], wq, n=n))[0] for i in range(m)])
+    np.testing.assert_array_equal(bits(got), bits(alone))
+    # x quantised to 8 bits per 32: within a percent of the float product
+    exact = np.asarray(x, np.float64) @ w_KN
+    assert np.abs(got - exact).max() <= 0.02 * np.abs(exact).max()
+  else:  # XLA: the float panels of the dequantised weights
+    np.testing.assert_array_equal(bits(got), bits(matmul(x, wf, n=n)))
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
@@ -124,20 +136,22 @@ def test_a_gguf_target_decodes_from_its_blocks_where_the_kernel_runs(tmp_path, t
     assert not quantised
   tokens = jnp.asarray([[1, 7, 129, 64, 0, 33, 5]], jnp.int32)
   bits = lambda a: np.asarray(a).view(np.uint32)
-  np.testing.assert_array_equal(
-    bits(_logits(decoding, tokens)[0]), bits(_logits(floats, tokens)[0])
-  )
+  got, want = _logits(decoding, tokens)[0], _logits(floats, tokens)[0]
+  if quantised:  # x quantised to 8 bits per 32 k in every product: a few percent off (4% on
+    # this random model, whose large weights make every layer's error grow)
+    assert np.linalg.norm(got - want) <= 0.08 * np.linalg.norm(want)
+  else:
+    np.testing.assert_array_equal(bits(got), bits(want))
   ids = jnp.asarray([0, 63, 64, 129])
   np.testing.assert_array_equal(decoding.head_rows(ids), floats.head_rows(ids))
-  # A restricted draft head: the head's own blocks, the same draft logits.
+  # A restricted draft head: the head's own blocks, its columns of the whole head's logits.
   g = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 64)), jnp.float32)
-  draft_logits = []
+  vocab = jnp.arange(129, 59, -1, dtype=jnp.int32)
   for t in (decoding, floats):
     drafter = drafter_lib.random_drafter("pspec", t, jax.random.key(1), draft_vocab_size=70)
-    drafter = drafter.replace(vocab=jnp.arange(129, 59, -1, dtype=jnp.int32)).with_head(t)
+    drafter = drafter.replace(vocab=vocab).with_head(t)
     assert (drafter.head.dtype == jnp.uint8) == (t is decoding and bool(quantised))
-    draft_logits.append(bits(drafter.logits(t, g)))
-  np.testing.assert_array_equal(*draft_logits)
+    np.testing.assert_array_equal(bits(drafter.logits(t, g)), bits(t.logits(g)[..., vocab]))
   plain = decoding.with_weight_layout("plain")
   want = floats.with_weight_layout("plain")
   assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), plain.params, want.params))

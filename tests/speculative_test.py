@@ -102,22 +102,19 @@ def gguf_path(tmp_path_factory):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_speculative_equals_plain_greedy_with_block_quantised_weights(gguf_path, kind):
-  # A GGUF target decoding from its own Q4_1 and Q8_0 blocks on the CPU kernel: each drafter
-  # kind gives the tokens plain decoding gives, there and on the float32 panels of the
-  # dequantised weights (the same products, bit for bit).
+  # A GGUF target decoding from its own Q4_1 and Q8_0 blocks on the CPU kernel (8-bit
+  # activations): each drafter kind gives the tokens plain decoding gives, with drafted nodes
+  # and with the prompt-lookup chain, which the looping greedy answers accept.
   assert cpu_kernel.available(), cpu_kernel.describe()
   blocks = checkpoints.load_target(gguf_path, weight_layout="decode")
   assert {x.dtype for x in jax.tree.leaves(blocks.params)} == {
     np.dtype("float32"),
     np.dtype("uint8"),
   }
-  floats = checkpoints.load_target(gguf_path, weight_layout="panels", scan_layers=False)
   drafter = testing.drafter_for(kind, blocks)
-  _, plain, _ = assert_greedy_lossless(blocks, drafter, "sparse8")
-  tokens, lengths = testing.padded(testing.PROMPTS)
-  cfg = decode.DecodeConfig(max_new_tokens=24, eos_ids=(3,), tree="sparse8")
-  reference = decode.generate(floats, tokens, lengths, jax.random.key(0), cfg)
-  assert plain.tokens.tolist() == reference.tokens.tolist()
+  assert_greedy_lossless(blocks, drafter, "sparse8")
+  _, _, spec = assert_greedy_lossless(blocks, drafter, "sparse8+lookup:6")
+  assert (spec.tau > 1).any()
 
 
 @pytest.mark.parametrize("kind", ["pspec", "eagle", "medusa"])

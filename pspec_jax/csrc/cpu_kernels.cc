@@ -8,9 +8,8 @@
 //   y_j [M, N] float32 with N <= 64 P (the last panel's padding columns are dropped).
 //
 // W_j may also be block-quantised panels, [P, K/32, B] uint8, as GGUF stores them (Q4_1: B =
-// 1536, Q8_0: B = 2304; see "Block-quantised panels" below): each block is widened to float32
-// in L1 with GGUF's own arithmetic, then multiplied as a float32 panel is, so the result is
-// bit for bit that of the float32 panels of the dequantised weight, for a fifth of the bytes.
+// 1536, Q8_0: B = 2304; see "Block-quantised panels" below), a fifth of the bytes, multiplied
+// as llama.cpp multiplies them: x quantised to 8 bits per 32 k, integer dot products per block.
 //
 // A decoding step reads every weight once for a handful of rows, so it is bound by reading
 // the weights. Each panel is one contiguous stream: a thread reads it from memory once, in
@@ -62,11 +61,14 @@ constexpr int64_t kWidth = 64;    // columns per panel: pspec_jax.panels.WIDTH
 constexpr int64_t kBlockK = 64;
 constexpr int64_t kMaxRows = 64;  // pspec_jax.cpu_kernel.MAX_ROWS
 
+struct QuantRows;
+
 struct Problem {
   const float* x;  // [m, k]
   const void* w;   // [panels, k, 64] float32 or bfloat16, or [panels, k / 32, B] uint8 blocks
   float* y;        // [m, n]
   int64_t m, k, n, panels;
+  const QuantRows* quant;  // block-quantised weights: x's rows quantised (see below)
 };
 
 // The lines of the next block still to ask memory for, one per step of a tile's loop.
@@ -74,63 +76,6 @@ struct Ahead {
   const char* next;
   const char* end;
 };
-
-// ---------------------------------------------------------------------------------------
-// Block-quantised panels. GGUF's Q4_1 and Q8_0 quantise each run of 32 weights along K of one
-// output column with its own float16 scale d (and, Q4_1, minimum m): w = d q + m with q in
-// 0..15, or w = d q with q in -128..127. The loader (pspec_jax.panels.pack_blocks) regroups
-// them into panels: for each 64 columns and 32 k, one block of
-//   Q4_1: d float32[64], m float32[64], then per k 32 bytes, byte c holding column c's q in
-//         its low nibble and column c + 32's in its high nibble (1536 bytes);
-//   Q8_0: d float32[64], then per k 64 int8 q, one per column (2304 bytes).
-// d q is exact in float32 (11 by 4 or 8 significant bits), so a fused multiply-add rounds
-// d q + m once, as GGUF's (numpy) dequantisation does: the widened weights are its bits.
-
-constexpr int64_t kQuantK = 32;  // k per quantisation block
-constexpr int64_t kQ4_1Bytes = 2 * 4 * kWidth + kQuantK * kWidth / 2;
-constexpr int64_t kQ8_0Bytes = 4 * kWidth + kQuantK * kWidth;
-static_assert(kBlockK % kQuantK == 0, "a panel block holds whole quantisation blocks");
-
-// One quantisation block widened to float32, and row 0 of x multiplied by it on the way:
-// acc0 [64] += x0[k] w[k] for its 32 k in order (the arithmetic of the tiles: a row's result is
-// the same whichever pass computes it). The widened rows go to out [32, 64] (row k of the panel
-// block) for the other rows of x, unless out is null (x has one row).
-using WidenFn = void (*)(const uint8_t* block, const float* x0, float* acc0, float* out);
-
-inline const float* block_scales(const uint8_t* block) {
-  return reinterpret_cast<const float*>(block);
-}
-
-// w[c] for the 64 columns of row k, then acc0 and out (portable).
-template <typename Weight>
-inline void widened_row_portable(Weight weight, float xk, float* acc0, float* out) {
-  for (int64_t c = 0; c < kWidth; ++c) {
-    const float w = weight(c);
-    acc0[c] += xk * w;
-    if (out != nullptr) out[c] = w;
-  }
-}
-
-void widen_q4_1_portable(const uint8_t* block, const float* x0, float* acc0, float* out) {
-  const float *d = block_scales(block), *m = d + kWidth;
-  const uint8_t* q = block + 2 * 4 * kWidth;
-  for (int64_t k = 0; k < kQuantK; ++k, q += kWidth / 2) {
-    auto weight = [&](int64_t c) {
-      const int nibble = c < kWidth / 2 ? q[c] & 15 : q[c - kWidth / 2] >> 4;
-      return d[c] * static_cast<float>(nibble) + m[c];
-    };
-    widened_row_portable(weight, x0[k], acc0, out == nullptr ? nullptr : out + k * kWidth);
-  }
-}
-
-void widen_q8_0_portable(const uint8_t* block, const float* x0, float* acc0, float* out) {
-  const float* d = block_scales(block);
-  const int8_t* q = reinterpret_cast<const int8_t*>(block + 4 * kWidth);
-  for (int64_t k = 0; k < kQuantK; ++k, q += kWidth) {
-    auto weight = [&](int64_t c) { return d[c] * static_cast<float>(q[c]); };
-    widened_row_portable(weight, x0[k], acc0, out == nullptr ? nullptr : out + k * kWidth);
-  }
-}
 
 #if PSPEC_X86
 // ---------------------------------------------------------------------------------------
@@ -251,116 +196,6 @@ __attribute__((target("avx512f"))) inline void rest_avx512(
     case 4: return tile_avx512<W, 4>(x, ldx, wp, k0, k1, acc, ahead);
     case 5: return tile_avx512<W, 5>(x, ldx, wp, k0, k1, acc, ahead);
   }
-}
-
-// ---------------------------------------------------------------------------------------
-// Widening block-quantised panels (see above) with row 0's products, 8 or 16 columns a vector.
-// AVX2 takes the 64 columns in two halves (Q4_1: the low nibbles, then the high ones), so a
-// half's scales, minimums and accumulators fit the 16 registers.
-
-__attribute__((target("avx2,fma"))) void widen_q4_1_avx2(const uint8_t* block, const float* x0,
-                                                         float* acc0, float* out) {
-  const float *d = block_scales(block), *m = d + kWidth;
-  const __m128i low = _mm_set1_epi8(15);
-  for (int half = 0; half < 2; ++half) {
-    const int64_t c0 = half * kWidth / 2;
-    __m256 dv[4], mv[4], a[4];
-    for (int c = 0; c < 4; ++c) {
-      dv[c] = _mm256_loadu_ps(d + c0 + 8 * c);
-      mv[c] = _mm256_loadu_ps(m + c0 + 8 * c);
-      a[c] = _mm256_loadu_ps(acc0 + c0 + 8 * c);
-    }
-    const uint8_t* q = block + 2 * 4 * kWidth;
-    for (int64_t k = 0; k < kQuantK; ++k, q += kWidth / 2) {
-      const __m256 xk = _mm256_broadcast_ss(x0 + k);
-      for (int h = 0; h < 2; ++h) {  // 16 columns a load
-        __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * h));
-        b = _mm_and_si128(half ? _mm_srli_epi16(b, 4) : b, low);
-        for (int e = 0; e < 2; ++e) {
-          const int c = 2 * h + e;
-          const __m256i qi = _mm256_cvtepu8_epi32(e ? _mm_srli_si128(b, 8) : b);
-          const __m256 w = _mm256_fmadd_ps(dv[c], _mm256_cvtepi32_ps(qi), mv[c]);
-          a[c] = _mm256_fmadd_ps(xk, w, a[c]);
-          if (out != nullptr) _mm256_store_ps(out + k * kWidth + c0 + 8 * c, w);
-        }
-      }
-    }
-    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc0 + c0 + 8 * c, a[c]);
-  }
-}
-
-__attribute__((target("avx2,fma"))) void widen_q8_0_avx2(const uint8_t* block, const float* x0,
-                                                         float* acc0, float* out) {
-  const float* d = block_scales(block);
-  for (int half = 0; half < 2; ++half) {
-    const int64_t c0 = half * kWidth / 2;
-    __m256 dv[4], a[4];
-    for (int c = 0; c < 4; ++c) {
-      dv[c] = _mm256_loadu_ps(d + c0 + 8 * c);
-      a[c] = _mm256_loadu_ps(acc0 + c0 + 8 * c);
-    }
-    const uint8_t* q = block + 4 * kWidth + c0;
-    for (int64_t k = 0; k < kQuantK; ++k, q += kWidth) {
-      const __m256 xk = _mm256_broadcast_ss(x0 + k);
-      for (int c = 0; c < 4; ++c) {
-        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * c));
-        const __m256 w = _mm256_mul_ps(dv[c], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
-        a[c] = _mm256_fmadd_ps(xk, w, a[c]);
-        if (out != nullptr) _mm256_store_ps(out + k * kWidth + c0 + 8 * c, w);
-      }
-    }
-    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc0 + c0 + 8 * c, a[c]);
-  }
-}
-
-__attribute__((target("avx512f"))) void widen_q4_1_avx512(const uint8_t* block, const float* x0,
-                                                          float* acc0, float* out) {
-  const float *d = block_scales(block), *m = d + kWidth;
-  const uint8_t* q = block + 2 * 4 * kWidth;
-  __m512 dv[kVecs512], mv[kVecs512], a[kVecs512];
-  for (int c = 0; c < kVecs512; ++c) {
-    dv[c] = _mm512_loadu_ps(d + 16 * c);
-    mv[c] = _mm512_loadu_ps(m + 16 * c);
-    a[c] = _mm512_loadu_ps(acc0 + 16 * c);
-  }
-  const __m128i low = _mm_set1_epi8(15);
-  for (int64_t k = 0; k < kQuantK; ++k, q += kWidth / 2) {
-    __m128i nib[kVecs512];  // columns 0-15, 16-31 (low nibbles), 32-47, 48-63 (high nibbles)
-    for (int h = 0; h < 2; ++h) {
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * h));
-      nib[h] = _mm_and_si128(b, low);
-      nib[h + 2] = _mm_and_si128(_mm_srli_epi16(b, 4), low);
-    }
-    const __m512 xk = _mm512_set1_ps(x0[k]);
-    for (int c = 0; c < kVecs512; ++c) {
-      const __m512 qv = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nib[c]));
-      const __m512 w = _mm512_fmadd_ps(dv[c], qv, mv[c]);
-      a[c] = _mm512_fmadd_ps(xk, w, a[c]);
-      if (out != nullptr) _mm512_store_ps(out + k * kWidth + 16 * c, w);
-    }
-  }
-  for (int c = 0; c < kVecs512; ++c) _mm512_storeu_ps(acc0 + 16 * c, a[c]);
-}
-
-__attribute__((target("avx512f"))) void widen_q8_0_avx512(const uint8_t* block, const float* x0,
-                                                          float* acc0, float* out) {
-  const float* d = block_scales(block);
-  const uint8_t* q = block + 4 * kWidth;
-  __m512 dv[kVecs512], a[kVecs512];
-  for (int c = 0; c < kVecs512; ++c) {
-    dv[c] = _mm512_loadu_ps(d + 16 * c);
-    a[c] = _mm512_loadu_ps(acc0 + 16 * c);
-  }
-  for (int64_t k = 0; k < kQuantK; ++k, q += kWidth) {
-    const __m512 xk = _mm512_set1_ps(x0[k]);
-    for (int c = 0; c < kVecs512; ++c) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * c));
-      const __m512 w = _mm512_mul_ps(dv[c], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
-      a[c] = _mm512_fmadd_ps(xk, w, a[c]);
-      if (out != nullptr) _mm512_store_ps(out + k * kWidth + 16 * c, w);
-    }
-  }
-  for (int c = 0; c < kVecs512; ++c) _mm512_storeu_ps(acc0 + 16 * c, a[c]);
 }
 
 template <typename W>
@@ -491,58 +326,323 @@ void panel_blocks(const Problem& p, int64_t panel) {
   store_rows(p, panel, acc);
 }
 
-constexpr int64_t kAhead = 4;  // quantisation blocks asked for ahead of the one being widened
+// ---------------------------------------------------------------------------------------
+// Block-quantised panels, multiplied as llama.cpp multiplies them on a CPU: integer dot
+// products of the weights' 4- or 8-bit values with the rows of x quantised to 8 bits.
+//
+// GGUF's Q4_1 and Q8_0 quantise each run of 32 weights along K of one output column with its
+// own scale d (and, Q4_1, minimum m): w = d q + m with q in 0..15, or w = d q with q in
+// -128..127. The loader (pspec_jax.panels.pack_blocks) regroups them into panels: for each 64
+// columns and 32 k, one block of
+//   Q4_1: d float32[64], m float32[64], then 8 quads (4 k each) of 2 vectors of 64 bytes:
+//         vector h, byte 4i + r holds column 32h + i's q at k = 4j + r in its low nibble and
+//         column 32h + 16 + i's in its high one (1536 bytes);
+//   Q8_0: d float32[64], then 8 quads of 4 vectors of 64 bytes: vector g, byte 4i + r holds
+//         column 16g + i's q + 128 at k = 4j + r (2304 bytes).
+// A 32-bit lane of a vector is one column's 4 values of a quad: what one VNNI instruction
+// (vpdpbusd) multiplies by 4 int8 of x and adds to the column's int32 sum.
+//
+// A row of x is quantised per 32 k as llama.cpp's Q8_0 / Q8_1 quantise it: dx = max |x| / 127,
+// qx = round-to-nearest-even(x / dx) (x times 1 / dx), sx = dx * sum qx. Per block and row the
+// sum over the block's 32 k, isum = sum q qx, is an exact integer, and
+//   Q4_1: y += (d dx) isum + m sx      Q8_0: y += (d dx) isum
+// in that order, each a fused multiply-add (the portable path: std::fma). Every path computes
+// these same integers and roundings, so a row's result is the same on every instruction set,
+// whichever thread takes its panel and however many rows share the call.
 
-// A block-quantised panel: each block widened into L1 with row 0's products (`Widen`), then the
-// other rows multiplied by it as by a float32 panel's block.
+constexpr int64_t kQuantK = 32;  // k per quantisation block
+constexpr int64_t kQuads = kQuantK / 4;
+constexpr int kGroups = kWidth / 16;  // 16-column vectors of a panel's 64 columns
+constexpr int64_t kQ4_1Bytes = 2 * 4 * kWidth + kQuantK * kWidth / 2;
+constexpr int64_t kQ8_0Bytes = 4 * kWidth + kQuantK * kWidth;
+constexpr int64_t kValueBytes = kQuads * kGroups * 64;  // a block's values, one byte each
+constexpr int64_t kAhead = 4;  // quantisation blocks asked for ahead of the one in use
 
-template <WidenFn Widen, int64_t Bytes, typename Tiles>
+inline const float* block_scales(const uint8_t* block) {
+  return reinterpret_cast<const float*>(block);
+}
+
+// The rows of x quantised per 32 k (row r, block b at r * k + 32 b, and r * k / 32 + b).
+struct QuantRows {
+  const int8_t* q;
+  const float* d;     // dx
+  const int32_t* s;   // sum qx
+  const float* sx;    // dx * sum qx
+};
+
+using QuantizeFn = void (*)(const float* x, int64_t count, int8_t* q, float* d, int32_t* s,
+                            float* sx);  // count: blocks of 32, one after the other
+
+void quantize_portable(const float* x, int64_t count, int8_t* q, float* d, int32_t* s, float* sx) {
+  for (int64_t b = 0; b < count; ++b, x += kQuantK, q += kQuantK) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < kQuantK; ++i) amax = std::max(amax, std::fabs(x[i]));
+    const float db = amax / 127.0f, inv = db != 0.0f ? 1.0f / db : 0.0f;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < kQuantK; ++i) {
+      q[i] = static_cast<int8_t>(std::nearbyint(x[i] * inv));  // the rounding mode's: even
+      sum += q[i];
+    }
+    d[b] = db;
+    s[b] = sum;
+    sx[b] = db * static_cast<float>(sum);
+  }
+}
+
+// One block's integer sums and their float update, for every row of x: `Dots` is an
+// instruction set's (its `rows`); `values` the block's 8 x 4 vectors of 64 unsigned bytes.
+struct BlockArgs {
+  const float* d;        // the block's scales [64]
+  const float* m;        // Q4_1: its minimums [64]; Q8_0: null
+  const uint8_t* values;
+  int64_t block;         // its index along K
+};
+
+// Q4_1's values as one byte each, in Q8_0's order (vector g of quad j at (4j + g) * 64).
+void q4_1_values_portable(const uint8_t* v, uint8_t* out) {
+  for (int64_t j = 0; j < kQuads; ++j)
+    for (int h = 0; h < 2; ++h)
+      for (int b = 0; b < 64; ++b) {
+        const uint8_t byte = v[(2 * j + h) * 64 + b];
+        out[(4 * j + 2 * h) * 64 + b] = byte & 15;
+        out[(4 * j + 2 * h + 1) * 64 + b] = byte >> 4;
+      }
+}
+
+// Row r's float update from its integer sums isum[64] (Q8_0's isum counts q + 128: the 128
+// sum qx it adds comes off first).
+inline void update_portable(const BlockArgs& a, const QuantRows& x, int64_t nb, int64_t r,
+                            const int32_t* isum, float* acc) {
+  const int64_t i = r * nb + a.block;
+  for (int64_t c = 0; c < kWidth; ++c) {
+    const float t = a.d[c] * x.d[i];
+    const int32_t sum = a.m != nullptr ? isum[c] : isum[c] - 128 * x.s[i];
+    acc[c] = std::fma(t, static_cast<float>(sum), acc[c]);
+    if (a.m != nullptr) acc[c] = std::fma(a.m[c], x.sx[i], acc[c]);
+  }
+}
+
+struct PortableDots {
+  static constexpr QuantizeFn quantize = quantize_portable;
+  static void q4_1_values(const uint8_t* v, uint8_t* out) { q4_1_values_portable(v, out); }
+  static void rows(const BlockArgs& a, const QuantRows& x, int64_t m, int64_t k, float* acc) {
+    for (int64_t r = 0; r < m; ++r) {
+      const int8_t* xq = x.q + r * k + a.block * kQuantK;
+      int32_t isum[kWidth] = {};
+      for (int64_t j = 0; j < kQuads; ++j)
+        for (int g = 0; g < kGroups; ++g)
+          for (int i = 0; i < 16; ++i)
+            for (int e = 0; e < 4; ++e)
+              isum[16 * g + i] += a.values[(4 * j + g) * 64 + 4 * i + e] * xq[4 * j + e];
+      update_portable(a, x, k / kQuantK, r, isum, acc + r * kWidth);
+    }
+  }
+};
+
+#if PSPEC_X86
+// AVX2: no 8-bit dot instruction, so vpmaddubsw (u8 x s8 pairs to int16) and vpmaddwd (pairs
+// of int16 to int32). Its int16 pairs saturate past 32767: Q4_1's q <= 15 never does, and Q8_0
+// multiplies |q| by qx with q's sign (<= 2 * 128 * 127), which sums q qx directly.
+
+__attribute__((target("avx2,fma"))) void q4_1_values_avx2(const uint8_t* v, uint8_t* out) {
+  const __m256i low = _mm256_set1_epi8(15);
+  for (int64_t j = 0; j < kQuads; ++j)
+    for (int h = 0; h < 2; ++h)
+      for (int half = 0; half < 2; ++half) {
+        const __m256i b =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + (2 * j + h) * 64 + 32 * half));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (4 * j + 2 * h) * 64 + 32 * half),
+                            _mm256_and_si256(b, low));
+        _mm256_storeu_si256(
+            reinterpret_cast<__m256i*>(out + (4 * j + 2 * h + 1) * 64 + 32 * half),
+            _mm256_and_si256(_mm256_srli_epi16(b, 4), low));
+      }
+}
+
+template <bool kQ4>
+__attribute__((target("avx2,fma"))) void row_avx2(const BlockArgs& a, const QuantRows& x,
+                                                  int64_t nb, int64_t r, const int8_t* xq,
+                                                  float* acc) {
+  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256i sum[2 * kGroups];
+  for (auto& v : sum) v = _mm256_setzero_si256();
+  for (int64_t j = 0; j < kQuads; ++j) {
+    int32_t four;
+    std::memcpy(&four, xq + 4 * j, 4);
+    const __m256i xb = _mm256_set1_epi32(four);
+    for (int v = 0; v < 2 * kGroups; ++v) {
+      const __m256i w =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.values + j * 4 * 64 + 32 * v));
+      __m256i pairs;
+      if (kQ4) {
+        pairs = _mm256_maddubs_epi16(w, xb);
+      } else {
+        const __m256i q = _mm256_xor_si256(w, flip);  // q + 128 back to q
+        pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(xb, q));
+      }
+      sum[v] = _mm256_add_epi32(sum[v], _mm256_madd_epi16(pairs, ones));
+    }
+  }
+  const int64_t i = r * nb + a.block;
+  const __m256 dx = _mm256_set1_ps(x.d[i]), sx = _mm256_set1_ps(x.sx[i]);
+  for (int v = 0; v < 2 * kGroups; ++v) {
+    const __m256 t = _mm256_mul_ps(_mm256_loadu_ps(a.d + 8 * v), dx);
+    __m256 y = _mm256_loadu_ps(acc + 8 * v);
+    y = _mm256_fmadd_ps(t, _mm256_cvtepi32_ps(sum[v]), y);
+    if (kQ4) y = _mm256_fmadd_ps(_mm256_loadu_ps(a.m + 8 * v), sx, y);
+    _mm256_storeu_ps(acc + 8 * v, y);
+  }
+}
+
+struct Avx2Dots {
+  static constexpr QuantizeFn quantize = quantize_portable;
+  static void q4_1_values(const uint8_t* v, uint8_t* out) { q4_1_values_avx2(v, out); }
+  static void rows(const BlockArgs& a, const QuantRows& x, int64_t m, int64_t k, float* acc) {
+    const int64_t nb = k / kQuantK;
+    for (int64_t r = 0; r < m; ++r) {
+      const int8_t* xq = x.q + r * k + a.block * kQuantK;
+      if (a.m != nullptr)
+        row_avx2<true>(a, x, nb, r, xq, acc + r * kWidth);
+      else
+        row_avx2<false>(a, x, nb, r, xq, acc + r * kWidth);
+    }
+  }
+};
+
+// AVX-512 VNNI: R rows share each vector of the block's values, 4 int32 sums a row (6 rows:
+// 24 sums, 4 values and a broadcast of the 32 registers).
+
+#define PSPEC_VNNI "avx512f,avx512bw,avx512vnni"
+
+__attribute__((target(PSPEC_VNNI))) void quantize_avx512(const float* x, int64_t count, int8_t* q,
+                                                         float* d, int32_t* s, float* sx) {
+  for (int64_t b = 0; b < count; ++b, x += kQuantK, q += kQuantK) {
+    const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const float db = amax / 127.0f, inv = db != 0.0f ? 1.0f / db : 0.0f;
+    const __m512 iv = _mm512_set1_ps(inv);
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, iv));  // MXCSR's rounding: even
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, iv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
+    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    d[b] = db;
+    s[b] = sum;
+    sx[b] = db * static_cast<float>(sum);
+  }
+}
+
+__attribute__((target(PSPEC_VNNI))) void q4_1_values_avx512(const uint8_t* v, uint8_t* out) {
+  const __m512i low = _mm512_set1_epi8(15);
+  for (int64_t j = 0; j < kQuads; ++j)
+    for (int h = 0; h < 2; ++h) {
+      const __m512i b = _mm512_loadu_si512(v + (2 * j + h) * 64);
+      _mm512_storeu_si512(out + (4 * j + 2 * h) * 64, _mm512_and_si512(b, low));
+      _mm512_storeu_si512(out + (4 * j + 2 * h + 1) * 64,
+                          _mm512_and_si512(_mm512_srli_epi16(b, 4), low));
+    }
+}
+
+template <int R>
+__attribute__((target(PSPEC_VNNI), always_inline)) inline void rows_avx512(
+    const BlockArgs& a, const QuantRows& x, int64_t k, int64_t r0, float* acc) {
+  const int64_t nb = k / kQuantK;
+  __m512i sum[R][kGroups];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < kGroups; ++g) sum[r][g] = _mm512_setzero_si512();
+  const int8_t* xq = x.q + r0 * k + a.block * kQuantK;
+  for (int64_t j = 0; j < kQuads; ++j) {
+    __m512i w[kGroups];
+    for (int g = 0; g < kGroups; ++g) w[g] = _mm512_loadu_si512(a.values + (4 * j + g) * 64);
+    for (int r = 0; r < R; ++r) {
+      int32_t four;
+      std::memcpy(&four, xq + r * k + 4 * j, 4);
+      const __m512i xb = _mm512_set1_epi32(four);
+      for (int g = 0; g < kGroups; ++g) sum[r][g] = _mm512_dpbusd_epi32(sum[r][g], w[g], xb);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t i = (r0 + r) * nb + a.block;
+    const __m512 dx = _mm512_set1_ps(x.d[i]);
+    const __m512i off = _mm512_set1_epi32(128 * x.s[i]);
+    float* y_r = acc + (r0 + r) * kWidth;
+    for (int g = 0; g < kGroups; ++g) {
+      const __m512 t = _mm512_mul_ps(_mm512_loadu_ps(a.d + 16 * g), dx);
+      const __m512i isum = a.m != nullptr ? sum[r][g] : _mm512_sub_epi32(sum[r][g], off);
+      __m512 y = _mm512_load_ps(y_r + 16 * g);
+      y = _mm512_fmadd_ps(t, _mm512_cvtepi32_ps(isum), y);
+      if (a.m != nullptr) y = _mm512_fmadd_ps(_mm512_loadu_ps(a.m + 16 * g), _mm512_set1_ps(x.sx[i]), y);
+      _mm512_store_ps(y_r + 16 * g, y);
+    }
+  }
+}
+
+struct Avx512Dots {
+  static constexpr QuantizeFn quantize = quantize_avx512;
+  static void q4_1_values(const uint8_t* v, uint8_t* out) { q4_1_values_avx512(v, out); }
+  __attribute__((target(PSPEC_VNNI))) static void rows(const BlockArgs& a, const QuantRows& x,
+                                                       int64_t m, int64_t k, float* acc) {
+    int64_t r = 0;
+    for (; r + 4 <= m; r += 4) rows_avx512<4>(a, x, k, r, acc);
+    switch (m - r) {
+      case 1: return rows_avx512<1>(a, x, k, r, acc);
+      case 2: return rows_avx512<2>(a, x, k, r, acc);
+      case 3: return rows_avx512<3>(a, x, k, r, acc);
+    }
+  }
+};
+#endif  // PSPEC_X86
+
+// A block-quantised panel: block by block along K, every row's integer sums and update.
+template <bool kQ4, typename Dots>
 void panel_quantised(const Problem& p, int64_t panel) {
-  const uint8_t* blocks = static_cast<const uint8_t*>(p.w) + panel * (p.k / kQuantK) * Bytes;
-  const uint8_t* end = blocks + (p.k / kQuantK) * Bytes;
+  constexpr int64_t bytes = kQ4 ? kQ4_1Bytes : kQ8_0Bytes;
+  const int64_t nb = p.k / kQuantK;
+  const uint8_t* blocks = static_cast<const uint8_t*>(p.w) + panel * nb * bytes;
+  const uint8_t* end = blocks + nb * bytes;
   alignas(64) float acc[kMaxRows * kWidth];
-  alignas(64) float block[kBlockK * kWidth];
+  alignas(64) uint8_t values[kValueBytes];
   std::memset(acc, 0, sizeof(float) * p.m * kWidth);
   // Ask memory for the panel's first kAhead blocks at once, then for the block kAhead on
   // before each: a panel's stream (18-48 blocks) is too short for the hardware prefetcher to
-  // reach full speed, and widening waited on memory (one row: 13 GB/s).
+  // reach full speed.
   auto prefetch = [end](const uint8_t* from, const uint8_t* to) {
     for (const uint8_t* line = from; line < std::min(to, end); line += 64)
       __builtin_prefetch(line, 0, 3);
   };
-  prefetch(blocks, blocks + kAhead * Bytes);
-  for (int64_t k0 = 0; k0 < p.k; k0 += kBlockK) {
-    const int64_t k1 = std::min(k0 + kBlockK, p.k);
-    for (int64_t k = k0; k < k1; k += kQuantK) {
-      const uint8_t* src = blocks + k / kQuantK * Bytes;
-      prefetch(src + kAhead * Bytes, src + (kAhead + 1) * Bytes);
-      Widen(src, p.x + k, acc, p.m > 1 ? block + (k - k0) * kWidth : nullptr);
+  prefetch(blocks, blocks + kAhead * bytes);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* src = blocks + b * bytes;
+    prefetch(src + kAhead * bytes, src + (kAhead + 1) * bytes);
+    BlockArgs a{block_scales(src), kQ4 ? block_scales(src) + kWidth : nullptr, nullptr, b};
+    if (kQ4) {
+      Dots::q4_1_values(src + 2 * 4 * kWidth, values);
+      a.values = values;
+    } else {
+      a.values = src + 4 * kWidth;
     }
-    if (p.m > 1) {  // the block is panel rows k0..k1: x's columns from k0 on, rows 0..k1 - k0
-      Problem shifted = p;
-      shifted.x = p.x + k0;
-      rows_after_first<float, Tiles>(shifted, block, 0, k1 - k0, acc, Ahead{nullptr, nullptr});
-    }
+    Dots::rows(a, *p.quant, p.m, p.k, acc);
   }
   store_rows(p, panel, acc);
 }
 
 // ---------------------------------------------------------------------------------------
-// Which code runs: AVX-512 where the CPU has it, else AVX2 + FMA, else portable;
-// PSPEC_JAX_CPU_KERNEL_ISA (avx2 | portable) holds it below that (the tests run each).
+// Which code runs: AVX-512 where the CPU has it, else AVX2 + FMA, else portable (block-quantised
+// panels: AVX-512 with VNNI, else the AVX2 path); PSPEC_JAX_CPU_KERNEL_ISA (avx2 | portable)
+// holds it below that (the tests run each).
 
 using PanelFn = void (*)(const Problem&, int64_t);
 
 struct Isa {
   PanelFn f32, bf16, q4_1, q8_0;
+  QuantizeFn quantize;
   const char* name;
 };
 
-template <template <typename> class Tiles, WidenFn Q4_1, WidenFn Q8_0>
+template <template <typename> class Tiles, typename Dots>
 constexpr Isa isa_of(const char* name) {
   return {panel_blocks<float, Tiles<float>>, panel_blocks<uint16_t, Tiles<uint16_t>>,
-          panel_quantised<Q4_1, kQ4_1Bytes, Tiles<float>>,
-          panel_quantised<Q8_0, kQ8_0Bytes, Tiles<float>>, name};
+          panel_quantised<true, Dots>, panel_quantised<false, Dots>, Dots::quantize, name};
 }
 
 Isa choose_isa() {
@@ -552,11 +652,15 @@ Isa choose_isa() {
   const bool at_most_avx2 = portable || (want != nullptr && std::strcmp(want, "avx2") == 0);
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (avx2 && !at_most_avx2 && __builtin_cpu_supports("avx512f"))
-    return isa_of<Avx512Tiles, widen_q4_1_avx512, widen_q8_0_avx512>("avx512");
-  if (avx2 && !portable) return isa_of<Avx2Tiles, widen_q4_1_avx2, widen_q8_0_avx2>("avx2");
+  if (avx2 && !at_most_avx2 && __builtin_cpu_supports("avx512f")) {
+    const bool vnni =
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+    return vnni ? isa_of<Avx512Tiles, Avx512Dots>("avx512")
+                : isa_of<Avx512Tiles, Avx2Dots>("avx512");
+  }
+  if (avx2 && !portable) return isa_of<Avx2Tiles, Avx2Dots>("avx2");
 #endif
-  return isa_of<PortableTiles, widen_q4_1_portable, widen_q8_0_portable>("portable");
+  return isa_of<PortableTiles, PortableDots>("portable");
 }
 
 const Isa& isa() {
@@ -704,6 +808,8 @@ ffi::Error PanelMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws, ffi::
     PanelFn fn[kMaxWeights];
     int64_t start[kMaxWeights + 1];  // weight j's panels are tasks start[j]..start[j + 1] - 1
   } ctx{};
+  QuantRows quant{};
+  bool quantised = false;
   for (int64_t j = 0; j < count; ++j) {
     auto w = ws.get<ffi::AnyBuffer>(j);
     auto y = ys.get<ffi::Buffer<ffi::F32>>(j);
@@ -733,9 +839,22 @@ ffi::Error PanelMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws, ffi::
     if (wk != k || yd[0] != m || n > panels * kWidth) {
       return ffi::Error::InvalidArgument("panel_matmul: shapes do not match");
     }
-    ctx.p[j] = {x.typed_data(), w->untyped_data(), (*y)->typed_data(), m, k, n, panels};
+    ctx.p[j] = {x.typed_data(), w->untyped_data(), (*y)->typed_data(), m, k, n, panels, &quant};
     ctx.fn[j] = fn;
     ctx.start[j + 1] = ctx.start[j] + panels;
+    quantised = quantised || type == ffi::DataType::U8;
+  }
+  if (quantised) {  // once per call, for every weight and thread (this thread's buffers)
+    thread_local std::vector<int8_t> q;
+    thread_local std::vector<float> d, sx;
+    thread_local std::vector<int32_t> s;
+    const int64_t count = m * k / kQuantK;
+    q.resize(m * k);
+    d.resize(count);
+    sx.resize(count);
+    s.resize(count);
+    isa().quantize(x.typed_data(), count, q.data(), d.data(), s.data(), sx.data());
+    quant = {q.data(), d.data(), s.data(), sx.data()};
   }
   auto one = [](const void* c, int64_t i) {
     const auto& job = *static_cast<const Panels*>(c);
