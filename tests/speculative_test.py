@@ -1,6 +1,7 @@
 """Speculative decoding end to end: lossless for every drafter kind, tau accounting, sampling."""
 
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -598,7 +599,8 @@ def test_a_tree_node_computes_a_plain_steps_logits_bit_for_bit(weights):
   prompt = jnp.asarray([np.arange(70) % 129], jnp.int32)  # a prefill past the kernel's 64 rows
   _, kv = target(prompt, jnp.arange(70)[None])
   cache = target.empty_cache(batch=1, max_len=128).write(kv, jnp.array([70]))
-  step = jax.jit(lambda t, pos, mask: target.logits(target(t, pos, cache, mask)[0]))
+  run = jax.jit(lambda target, cache, *nodes: target.logits(target(*nodes[:2], cache, nodes[2])[0]))
+  step = functools.partial(run, target, cache)
   plain = np.asarray(step(jnp.asarray([[7]]), jnp.asarray([[70]]), jnp.ones((1, 1, 1), bool)))
   rng = np.random.default_rng(0)
   for t in (2, 7, 8, 9, 16, 33):
