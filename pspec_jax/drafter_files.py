@@ -203,7 +203,9 @@ def load_drafter(directory: str | os.PathLike, target: Target) -> Drafter:
     vocab = jnp.asarray(vocab, jnp.int32)
   params = {k: jnp.asarray(np.asarray(v, np.float32), cfg.param_dtype) for k, v in params.items()}
   drafter = Drafter(cfg=cfg, params=traverse_util.unflatten_dict(params, sep="/"), vocab=vocab)
-  return drafter.with_weight_layout(target.cfg.weight_layout)
+  drafter = drafter.with_weight_layout(target.cfg.weight_layout)
+  # A target decoding from GGUF blocks: the drafter's dense weights in blocks too.
+  return drafter.with_blocks() if target.keeps_blocks else drafter
 
 
 def _read_tensors(path: epath.Path) -> dict[str, np.ndarray]:

@@ -231,6 +231,27 @@ def relayout(params: dict, layout: str, plain_shapes: dict) -> dict:
   return jax.tree_util.tree_map_with_path(move, params, plain_shapes)
 
 
+def quantize_dense(params: dict, plain_shapes: dict) -> dict:
+  """Every dense weight (`DENSE_AXES`) of `params`, float panels of one matrix whose K is a
+  multiple of 32, as Q8_0 block-quantised panels (`panels.quantize_q8_0`); other leaves as
+  they are."""
+
+  def move(path, w, plain):
+    name = path[-1].key if hasattr(path[-1], "key") else None
+    if name not in DENSE_AXES or w.dtype == jnp.uint8 or w.shape == plain.shape:
+      return w
+    n_in, n_out = DENSE_AXES[name]
+    if len(plain.shape) != n_in + n_out:  # stacked layers: left as they are
+      return w
+    k = math.prod(plain.shape[:n_in])
+    n = math.prod(plain.shape[n_in:])
+    if k % panels.QUANT_K:
+      return w
+    return panels.quantize_q8_0(panels.unpack(w, n).reshape(k, n))
+
+  return jax.tree_util.tree_map_with_path(move, params, plain_shapes)
+
+
 def stack_layers(layers: list[dict]) -> jax.Array:
   """Per-layer parameter trees -> one tree with a leading layers axis (the nn.scan layout)."""
   return jax.tree.map(lambda *xs: jnp.stack(xs), *layers)

@@ -386,6 +386,11 @@ class Target:
     shapes = nn.meta.unbox(jax.eval_shape(lambda: init_boxed(plain, jax.random.key(0))))
     return Target(cfg=cfg, params=layers.relayout(self.params, layout, shapes))
 
+  @property
+  def keeps_blocks(self) -> bool:
+    """Whether some dense weight is block-quantised panels (`checkpoints.keeps_gguf_blocks`)."""
+    return any(x.dtype == jnp.uint8 for x in jax.tree.leaves(self.params))
+
   def logits(self, features_BTD: jax.Array) -> jax.Array:
     return Llama(self.cfg).apply({"params": self.params}, features_BTD, method=Llama.logits)
 

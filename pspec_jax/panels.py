@@ -54,6 +54,7 @@ __all__ = [
   "pack",
   "pack_blocks",
   "packed_shape",
+  "quantize_q8_0",
   "take_columns",
   "unpack",
 ]
@@ -149,6 +150,17 @@ def _natural_order(xp, v, kind: str):
     v = (v ^ 0x80).reshape(*lead, 8, 4, 16, 4)  # [j, g, i, r]
     q = xp.transpose(v, (*range(n), n, n + 3, n + 1, n + 2))  # [j, r, g, i]
   return q.reshape(*lead, QUANT_K, WIDTH)
+
+
+def quantize_q8_0(w_KN) -> jax.Array:
+  """A float [K, N] weight quantised as GGUF's Q8_0 quantises it (per 32 k of a column, a
+  float16 scale max |w| / 127 and 8-bit values), as block-quantised panels (`pack_blocks`)."""
+  import gguf
+
+  k, n = w_KN.shape
+  rows = np.ascontiguousarray(np.asarray(w_KN, np.float32).T)
+  raw = gguf.quants.quantize(rows, gguf.GGMLQuantizationType.Q8_0)
+  return jnp.asarray(pack_blocks(raw, "Q8_0", k, n))
 
 
 def dequantize(w_PBQ: jax.Array) -> jax.Array:
