@@ -185,7 +185,7 @@ def test_shipped_drafters_read_on_every_kind_of_device():
   # from the GGUF file's blocks, the lookup chain alone (drafted nodes no longer pay there); a
   # TPU has no entry and takes the file's own tree.
   assert trees["pspec", "gpu"] == "sparse16+lookup:6"
-  assert trees["pspec", "cpu"] == "lookup:6"
+  assert trees["pspec", "cpu"] == "paths:0+lookup:6"
   assert trees["pspec", "tpu"] == "paths:0+lookup:6"
 
 

@@ -1,6 +1,7 @@
 """Panel-packed dense weights (`pspec_jax.panels`): the plain layout's products, row for row,
 through the CPU panel kernel and through XLA's path alike."""
 
+import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -247,3 +248,29 @@ def test_a_restricted_draft_head_gives_the_same_logits_in_both_layouts():
     logits += [drafter.logits(t, g), drafter.with_head(t).logits(t, g)]
   for other in logits[1:]:
     np.testing.assert_allclose(other, logits[0], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["pspec", "eagle", "medusa"])
+def test_a_drafter_loaded_for_a_block_quantised_target_takes_q8_0_blocks(tmp_path, kind):
+  path = str(tmp_path / "blocks.gguf")
+  testing.save_gguf_llama(path, tied=False)
+  target = checkpoints.load_target(path, weight_layout="decode")
+  drafter = testing.drafter_for(kind, target)
+  drafter_files.save_drafter(tmp_path / "d", drafter)
+  loaded = drafter_files.load_drafter(tmp_path / "d", target)
+  quantised = [x for x in jax.tree.leaves(loaded.params) if x.dtype == jnp.uint8]
+  # Dense panels of pspec and eagle (fuse and the decoder layer), where the target has blocks;
+  # medusa's heads are no dense layer.
+  assert len(quantised) == (8 if target.keeps_blocks and kind != "medusa" else 0)
+  # Q8_0 rounds each weight by at most half its block's scale, max |w| / 127.
+  got = flatten_util.ravel_pytree(loaded.with_weight_layout("plain").params)[0]
+  want = flatten_util.ravel_pytree(drafter.with_weight_layout("plain").params)[0]
+  assert np.abs(np.asarray(got - want)).max() <= np.abs(np.asarray(want)).max() / 254 * 1.01
+
+
+def test_q8_0_quantisation_is_gguf_s():
+  w = np.random.default_rng(0).standard_normal((96, 70)).astype(np.float32)
+  raw = gguf.quants.quantize(np.ascontiguousarray(w.T), gguf.GGMLQuantizationType.Q8_0)
+  np.testing.assert_array_equal(
+    np.asarray(panels.quantize_q8_0(w)), panels.pack_blocks(raw, "Q8_0", 96, 70)
+  )
