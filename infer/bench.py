@@ -219,6 +219,7 @@ def run(config, progress=True) -> dict:
         config.torch_threads,
         prompt_lookup=s.method == "hf_pld",
         dtype=config.dtype,
+        same_model=not target.keeps_blocks,
       )
     else:
       width = prompts_lib.bucket(max(map(len, prompts[s.dataset])))

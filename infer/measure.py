@@ -156,12 +156,16 @@ class OurMethod:
 class HFMethod:
   """`hf` / `hf_pld`: HF transformers' `generate` (PyTorch) on the same weights, in the same
   dtype, on a CUDA GPU when JAX runs on one, else on the CPU. In bfloat16 its rounding differs
-  from JAX's, so its outputs can differ from `none`'s without either being wrong.
+  from JAX's, so its outputs can differ from `none`'s without either being wrong. A target
+  decoding from GGUF blocks computes with 8-bit activations (llama.cpp's arithmetic), HF with
+  the dequantised float weights: `same_model=False`, and its rows have no lossless check.
 
   torch is imported here, not with the module: it is an optional dependency (`.[test]`).
   """
 
-  def __init__(self, spec, cfg, threads, prompt_lookup: bool, dtype: str = "float32"):
+  def __init__(
+    self, spec, cfg, threads, prompt_lookup: bool, dtype: str = "float32", same_model=True
+  ):
     import torch
     import transformers
 
@@ -179,6 +183,7 @@ class HFMethod:
     ).eval()
     self.model.to(self.device)
     self.cfg, self.prompt_lookup, self.torch = cfg, prompt_lookup, torch
+    self.same_model = same_model
 
   def __call__(self, batch: list[list[int]], key) -> Outcome:
     torch = self.torch
@@ -235,10 +240,12 @@ def measure(settings, runners, prompts, seed, time_split=None, progress=True) ->
     # A compiled program holds hundreds of memory mappings (its JIT-linked kernels); a sweep
     # that kept every family's would run into the kernel's limit on them (vm.max_map_count).
     jax.clear_caches()
-  return [_row(s, records, shares.get(s)) for s in settings]
+  return [
+    _row(s, records, shares.get(s), getattr(runners[s], "same_model", True)) for s in settings
+  ]
 
 
-def _row(s: Setting, records: dict, shares: dict | None) -> dict:
+def _row(s: Setting, records: dict, shares: dict | None, same_model: bool = True) -> dict:
   runs = records[s]
   seconds = sum(t for t, _ in runs)
   seqs = [seq for _, o in runs for seq in o.tokens]
@@ -250,7 +257,7 @@ def _row(s: Setting, records: dict, shares: dict | None) -> dict:
   if base is not None:
     base_tokens = sum(len(q) for _, o in base for q in o.tokens)
     speedup = tokens_per_s / (base_tokens / sum(t for t, _ in base))
-    if s.temperature == 0:
+    if s.temperature == 0 and same_model:
       base_seqs = [seq for _, o in base for seq in o.tokens]
       lossless = seqs == base_seqs
   if runs[0][1].rounds is not None:
