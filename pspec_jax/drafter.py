@@ -248,10 +248,13 @@ class Drafter:
     """The same drafter with its dense weights stored in `layout` (`panels.LAYOUTS`)."""
     if layout == self.cfg.weight_layout:
       return self
-    plain = self.cfg.replace(weight_layout="plain")
-    shapes = jax.eval_shape(lambda: init_params(plain, jax.random.key(0)))
-    params = layers.relayout(self.params, layout, shapes)
+    params = layers.relayout(self.params, layout, self._plain_shapes())
     return self.replace(cfg=self.cfg.replace(weight_layout=layout), params=params)
+
+  def _plain_shapes(self) -> dict:
+    """The parameters' shapes in the plain layout (what a panel weight really holds)."""
+    plain = self.cfg.replace(weight_layout="plain")
+    return jax.eval_shape(lambda: init_params(plain, jax.random.key(0)))
 
   def with_blocks(self) -> "Drafter":
     """The same drafter with its dense weights in Q8_0 block-quantised panels (a drafter in
@@ -260,9 +263,7 @@ class Drafter:
     propose, so this changes what it proposes a little, never what decoding outputs."""
     if self.cfg.weight_layout != "panels":
       return self
-    plain = self.cfg.replace(weight_layout="plain")
-    shapes = jax.eval_shape(lambda: init_params(plain, jax.random.key(0)))
-    return self.replace(params=layers.quantize_dense(self.params, shapes))
+    return self.replace(params=layers.quantize_dense(self.params, self._plain_shapes()))
 
   def token_ids(self, index_X: jax.Array) -> jax.Array:
     """Token ids of draft-vocabulary indices."""

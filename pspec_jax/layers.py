@@ -214,13 +214,10 @@ def relayout(params: dict, layout: str, plain_shapes: dict) -> dict:
     raise ValueError(f"unknown weight layout {layout!r}: use one of {panels.LAYOUTS}")
 
   def move(path, w, plain):
-    name = path[-1].key if hasattr(path[-1], "key") else None
-    if name not in DENSE_AXES:
+    dims = _dense_dims(path, plain)
+    if dims is None:
       return w
-    n_in, n_out = DENSE_AXES[name]
-    lead = plain.shape[: len(plain.shape) - n_in - n_out]
-    k = math.prod(plain.shape[len(lead) : len(lead) + n_in])
-    n = math.prod(plain.shape[len(lead) + n_in :])
+    lead, k, n = dims
     is_panels = w.shape != plain.shape
     if layout == "panels" and not is_panels:
       return panels.pack(w.reshape(*lead, k, n))
@@ -231,21 +228,28 @@ def relayout(params: dict, layout: str, plain_shapes: dict) -> dict:
   return jax.tree_util.tree_map_with_path(move, params, plain_shapes)
 
 
+def _dense_dims(path, plain) -> tuple[tuple, int, int] | None:
+  """A dense weight's (leading axes, K, N) from its plain shape; None for any other leaf."""
+  name = path[-1].key if hasattr(path[-1], "key") else None
+  if name not in DENSE_AXES:
+    return None
+  n_in, n_out = DENSE_AXES[name]
+  lead = plain.shape[: len(plain.shape) - n_in - n_out]
+  k = math.prod(plain.shape[len(lead) : len(lead) + n_in])
+  return lead, k, math.prod(plain.shape[len(lead) + n_in :])
+
+
 def quantize_dense(params: dict, plain_shapes: dict) -> dict:
   """Every dense weight (`DENSE_AXES`) of `params`, float panels of one matrix whose K is a
   multiple of 32, as Q8_0 block-quantised panels (`panels.quantize_q8_0`); other leaves as
   they are."""
 
   def move(path, w, plain):
-    name = path[-1].key if hasattr(path[-1], "key") else None
-    if name not in DENSE_AXES or w.dtype == jnp.uint8 or w.shape == plain.shape:
+    dims = _dense_dims(path, plain)
+    if dims is None or w.dtype == jnp.uint8 or w.shape == plain.shape:
       return w
-    n_in, n_out = DENSE_AXES[name]
-    if len(plain.shape) != n_in + n_out:  # stacked layers: left as they are
-      return w
-    k = math.prod(plain.shape[:n_in])
-    n = math.prod(plain.shape[n_in:])
-    if k % panels.QUANT_K:
+    lead, k, n = dims
+    if lead or k % panels.QUANT_K:  # stacked layers, or K off the blocks: left as they are
       return w
     return panels.quantize_q8_0(panels.unpack(w, n).reshape(k, n))
 
