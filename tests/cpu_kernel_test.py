@@ -185,13 +185,15 @@ _CHECK = textwrap.dedent(
       want = np.asarray(product(xq, panels.pack(jnp.asarray(w_KN))))
       assert np.array_equal(got, want), kind
   # Decoding attention: its own answer against numpy's, on the ISA and threads of the run.
-  from tests.cpu_kernel_test import attention_case, numpy_attention
+  from tests.cpu_kernel_test import attention_case, numpy_attention, tree_node_and_plain_step
   for h in (64, 12):
     args, scale = attention_case(np.random.default_rng(h), 2, 3, 9, 3, 2, h)
     want = numpy_attention(*args, scale)
     if cpu_kernel.available():
       got = cpu_kernel.attention(*map(jnp.asarray, args), scale)
       np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+      tree, plain = tree_node_and_plain_step(h)
+      assert np.array_equal(tree, plain), h
   print(cpu_kernel.describe(), "custom call" in f.lower(jnp.asarray(x)).as_text().replace(
       "pspec_panel_matmul", "custom call"))
   """
@@ -322,14 +324,15 @@ def test_decoding_attention_equals_numpy_and_xla(b, t, s, kv, g, h):
   np.testing.assert_allclose(got, np.asarray(xla), atol=2e-5, rtol=2e-5)
 
 
-def test_a_tree_node_attends_bit_for_bit_as_a_plain_step():
-  # A plain step: the node's ancestors are in the cache. A verification: they are new tokens
-  # beside other tree nodes the node does not see. Same keys in the same order: same bits.
+def tree_node_and_plain_step(h: int, cached: int = 40, depth: int = 3):
+  """A tree node's attention and a plain step's, which must be the same bits: in the plain step
+  the node's ancestors are in the cache; in the verification they are new tokens beside other
+  tree nodes the node does not see. The same keys in the same order."""
   rng = np.random.default_rng(5)
-  kv, g, h, cached, depth = 3, 3, 64, 40, 3
+  kv, g = 3, 3
   k_all, v_all = rng.standard_normal((2, 1, cached + depth + 1, kv, h)).astype(np.float32)
   q = rng.standard_normal((1, 1, kv, g, h)).astype(np.float32)
-  s = 64  # cache capacity, past the lengths used
+  s = cached + depth + 21  # cache capacity, past the lengths used
   pad = lambda x: np.pad(x, ((0, 0), (0, s - x.shape[1]), (0, 0), (0, 0)))
   plain = cpu_kernel.attention(
     q,
@@ -359,7 +362,14 @@ def test_a_tree_node_attends_bit_for_bit_as_a_plain_step():
     mask,
     1 / 8,
   )
-  np.testing.assert_array_equal(np.asarray(tree)[:, -1], np.asarray(plain)[:, 0])
+  return np.asarray(tree)[:, -1], np.asarray(plain)[:, 0]
+
+
+@pytest.mark.parametrize("h,cached,depth", [(64, 40, 3), (64, 13, 2), (128, 30, 5)])
+def test_a_tree_node_attends_bit_for_bit_as_a_plain_step(h, cached, depth):
+  # 16 keys at a time (AVX-512): the node's keys sit at other places among the 16 in each pass.
+  tree, plain = tree_node_and_plain_step(h, cached, depth)
+  np.testing.assert_array_equal(tree, plain)
 
 
 def test_decoding_with_panel_weights_takes_the_attention_kernel():

@@ -874,32 +874,166 @@ ffi::Error PanelMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws, ffi::
 //   q [B, T, KV, G, H], caches [B, S, KV, H], cache_len [B] int32, new keys/values [B, T, KV, H],
 //   mask [B, T, T] bool (new token t sees new token u), out [B, T, KV, G, H]; all float32.
 //
-// A task is one (sequence, key/value head): its T*G query rows read each of its keys and values
-// from memory once (the rows after the first find them in cache). Each row's scores, softmax and weighted sum run in slot order (cache slots, then new
-// tokens), and a hidden slot adds an exact zero, so a row's result does not depend on the
-// other rows of the call nor on hidden slots: a verified tree node, whose ancestors are new
-// tokens, computes bit for bit what a plain step computes with them in the cache. A row that
-// sees nothing at all (padding) averages every slot's value, as a softmax of equal masked
-// scores does.
+// A task is one (sequence, query head): its T query rows, one after another, while its key/value
+// head stays in cache (B*KV*G tasks, so two cores share even one sequence's 9 heads evenly).
+// A row first lists the keys it sees, in slot order: the cache's first `len` slots, then the new
+// tokens its mask allows. Scores, softmax and the weighted sum run over that list alone, and a
+// key's score is computed the same way wherever it sits in the list. So a row's result depends on
+// nothing but the keys and values it sees, in that order, never on the other rows of the call or
+// on slots it does not see: a verified tree node, whose ancestors are new tokens, computes bit
+// for bit what a plain step computes with them in the cache. A row that sees nothing at all
+// (padding) averages every slot's value, as a softmax of equal masked scores does.
 
-// A row's scores against `n` keys `stride` floats apart, and its weighted values added to `out`
-// (so a sum over the cache and the new tokens runs on as one): one query or output row of H
-// floats against each key or value in turn, in slot order.
 struct RowOps {
-  void (*scores)(const float* q, const float* keys, int64_t stride, int64_t n, int64_t h,
-                 float scale, float* out);
-  void (*values)(const float* weights, const float* values, int64_t stride, int64_t n, int64_t h,
+  // out[j] = (q . keys[j]) * scale, j < n: each dot product in one fixed order, whatever j is.
+  void (*scores)(const float* q, const float* const* keys, int64_t n, int64_t h, float scale,
                  float* out);
-  // w[j] = exp(w[j] - top), or exactly 0 where w[j] is `hidden`.
-  void (*exp_shifted)(float* w, int64_t n, float top, float hidden);
+  // w[j] = exp(w[j] - max w), j < n; returns their sum.
+  float (*softmax)(float* w, int64_t n);
+  // out = (sum_j w[j] * values[j]) / total over j < n (h floats).
+  void (*values)(const float* w, const float* const* values, int64_t n, int64_t h, float total,
+                 float* out);
 };
 
 #if PSPEC_X86
-__attribute__((target("avx2,fma"))) void scores_avx2(const float* q, const float* keys,
-                                                      int64_t stride, int64_t n, int64_t h,
-                                                      float scale, float* out) {
+// AVX-512 attention runs a block of up to kBlockRows rows of one key/value head together, so
+// each key and value is read from memory once per block, not once per row.
+constexpr int kBlockRows = 6;
+
+// 16 keys' scores against q: each key's products in one vector (q's first 16 floats times the
+// key's, then one fused step per further 16, in order), the 16 keys side by side, then the 16
+// vectors summed across lanes by one network (4 levels of shuffles and adds) that treats every
+// key alike, so a key's score does not depend on its place among the 16. Lane j: key j.
+__attribute__((target("avx512f"), always_inline)) inline __m512 scores16(const float* q,
+                                                                         const float* const* key,
+                                                                         int64_t h) {
+  __m512 a[16];
+  const __m512 q0 = _mm512_loadu_ps(q);
+  for (int j = 0; j < 16; ++j) a[j] = _mm512_mul_ps(q0, _mm512_loadu_ps(key[j]));
+  for (int64_t i = 16; i < h; i += 16) {
+    const __m512 qi = _mm512_loadu_ps(q + i);
+    for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(qi, _mm512_loadu_ps(key[j] + i), a[j]);
+  }
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)  // per key: lane l + lane l + 8
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // + lanes 4 apart: one key per 128-bit quarter
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // + lanes 2 apart
+    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
+  const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88),  // + the neighbour
+                                 _mm512_shuffle_ps(d[0], d[1], 0xDD));
+  // Lane 4a + b of the network's result holds key a + 4b: put key j in lane j.
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, e);
+}
+
+// out_r[j] = (q_r . keys[j]) * scale for the block's rows r, keys j < n: 16 keys at a time, read
+// once for every row (short groups padded with a key of zeros).
+__attribute__((target("avx512f"))) void scores_avx512(const float* const* q, int rows,
+                                                      const float* const* keys, int64_t n,
+                                                      int64_t h, float scale, float* const* out,
+                                                      const float* zero) {
+  const __m512 scale16 = _mm512_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const float* key[16];
+    for (int j = 0; j < 16; ++j) key[j] = j0 + j < n ? keys[j0 + j] : zero;
+    const int64_t count = std::min<int64_t>(16, n - j0);
+    for (int r = 0; r < rows; ++r)
+      _mm512_mask_storeu_ps(out[r] + j0, static_cast<__mmask16>((1u << count) - 1),
+                            _mm512_mul_ps(scores16(q[r], key, h), scale16));
+  }
+}
+
+// acc_r += sum_j w_r[j] * values[j], j < n in order, for R rows (one running sum per row and
+// 16 columns), V vectors of 16 columns from column c: each value is read once for every row.
+template <int R, int V>
+__attribute__((target("avx512f"), always_inline)) inline void values_columns(
+    const float* const* w, const float* const* values, int64_t n, int64_t c,
+    float* const* acc) {
+  __m512 sum[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) sum[r][v] = _mm512_loadu_ps(acc[r] + c + 16 * v);
   for (int64_t j = 0; j < n; ++j) {
-    const float* key = keys + j * stride;
+    __m512 value[V];
+    for (int v = 0; v < V; ++v) value[v] = _mm512_loadu_ps(values[j] + c + 16 * v);
+    for (int r = 0; r < R; ++r) {
+      const __m512 p = _mm512_set1_ps(w[r][j]);
+      for (int v = 0; v < V; ++v) sum[r][v] = _mm512_fmadd_ps(p, value[v], sum[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(acc[r] + c + 16 * v, sum[r][v]);
+}
+
+template <int R>
+__attribute__((target("avx512f"))) void values_rows(const float* const* w,
+                                                    const float* const* values, int64_t n,
+                                                    int64_t h, float* const* acc) {
+  int64_t c = 0;
+  for (; c + 64 <= h; c += 64) values_columns<R, 4>(w, values, n, c, acc);
+  for (; c < h; c += 16) values_columns<R, 1>(w, values, n, c, acc);  // h % 16 == 0
+}
+
+__attribute__((target("avx512f"))) void values_avx512(const float* const* w, int rows,
+                                                      const float* const* values, int64_t n,
+                                                      int64_t h, float* const* acc) {
+  switch (rows) {
+    case 1: return values_rows<1>(w, values, n, h, acc);
+    case 2: return values_rows<2>(w, values, n, h, acc);
+    case 3: return values_rows<3>(w, values, n, h, acc);
+    case 4: return values_rows<4>(w, values, n, h, acc);
+    case 5: return values_rows<5>(w, values, n, h, acc);
+    case 6: return values_rows<6>(w, values, n, h, acc);
+  }
+}
+
+// exp on 16 lanes: exp8's arithmetic, lane for lane.
+__attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.33654f)), _mm512_set1_ps(88.37626f));
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i pow2n = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(pow2n));
+}
+
+// Max, exp and sum 16 at a time; the sum's lanes run over list positions, then across lanes.
+__attribute__((target("avx512f"))) float softmax_avx512(float* w, int64_t n) {
+  const auto mask = [n](int64_t j) {
+    return static_cast<__mmask16>(j + 16 <= n ? 0xffffu : (1u << (n - j)) - 1);
+  };
+  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < n; j += 16)
+    top = _mm512_mask_max_ps(top, mask(j), top, _mm512_maskz_loadu_ps(mask(j), w + j));
+  const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask(j), w + j), shift));
+    _mm512_mask_storeu_ps(w + j, mask(j), e);
+    sum = _mm512_mask_add_ps(sum, mask(j), sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+__attribute__((target("avx2,fma"))) void scores_avx2(const float* q, const float* const* keys,
+                                                      int64_t n, int64_t h, float scale,
+                                                      float* out) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float* key = keys[j];
     __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 16 <= h; i += 16) {
@@ -915,21 +1049,22 @@ __attribute__((target("avx2,fma"))) void scores_avx2(const float* q, const float
   }
 }
 
-__attribute__((target("avx2,fma"))) void values_avx2(const float* weights, const float* values,
-                                                      int64_t stride, int64_t n, int64_t h,
-                                                      float* out) {
+__attribute__((target("avx2,fma"))) void values_avx2(const float* w, const float* const* values,
+                                                    int64_t n, int64_t h, float total,
+                                                    float* out) {
+  const __m256 total8 = _mm256_set1_ps(total);
   for (int64_t c = 0; c < h; c += 32) {  // 4 accumulators of 8 columns (h % 8 == 0)
-    const int64_t width = std::min<int64_t>(32, h - c);
-    __m256 acc[4];
-    for (int v = 0; v < width / 8; ++v) acc[v] = _mm256_loadu_ps(out + c + 8 * v);
+    const int vectors = static_cast<int>(std::min<int64_t>(32, h - c) / 8);
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                     _mm256_setzero_ps()};
     for (int64_t j = 0; j < n; ++j) {
-      if (weights[j] == 0.0f) continue;  // a hidden slot adds exactly nothing
-      const __m256 p = _mm256_set1_ps(weights[j]);
-      const float* value = values + j * stride + c;
-      for (int v = 0; v < width / 8; ++v)
+      const __m256 p = _mm256_set1_ps(w[j]);
+      const float* value = values[j] + c;
+      for (int v = 0; v < vectors; ++v)
         acc[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(value + 8 * v), acc[v]);
     }
-    for (int v = 0; v < width / 8; ++v) _mm256_storeu_ps(out + c + 8 * v, acc[v]);
+    for (int v = 0; v < vectors; ++v)
+      _mm256_storeu_ps(out + c + 8 * v, _mm256_div_ps(acc[v], total8));
   }
 }
 
@@ -952,52 +1087,56 @@ __attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
 }
 
-__attribute__((target("avx2,fma"))) void exp_shifted_avx2(float* w, int64_t n, float top,
-                                                           float hidden) {
+__attribute__((target("avx2,fma"))) void exp_shifted_avx2(float* w, int64_t n, float top) {
   int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const __m256 x = _mm256_loadu_ps(w + j);
-    const __m256 seen = _mm256_cmp_ps(x, _mm256_set1_ps(hidden), _CMP_NEQ_OQ);
-    const __m256 e = exp8(_mm256_sub_ps(x, _mm256_set1_ps(top)));
-    _mm256_storeu_ps(w + j, _mm256_and_ps(e, seen));
-  }
+  for (; j + 8 <= n; j += 8)
+    _mm256_storeu_ps(w + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(w + j), _mm256_set1_ps(top))));
   if (j < n) {  // the last few through a padded vector: the same arithmetic per element
-    alignas(32) float tail[8];
-    std::fill_n(tail, 8, hidden);
+    alignas(32) float tail[8] = {};
     std::copy(w + j, w + n, tail);
-    exp_shifted_avx2(tail, 8, top, hidden);
+    exp_shifted_avx2(tail, 8, top);
     std::copy(tail, tail + (n - j), w + j);
   }
 }
+
+__attribute__((target("avx2,fma"))) float softmax_avx2(float* w, int64_t n) {
+  exp_shifted_avx2(w, n, *std::max_element(w, w + n));
+  float total = 0;
+  for (int64_t j = 0; j < n; ++j) total += w[j];
+  return total;
+}
 #endif
 
-void scores_portable(const float* q, const float* keys, int64_t stride, int64_t n, int64_t h,
+void scores_portable(const float* q, const float* const* keys, int64_t n, int64_t h,
                      float scale, float* out) {
   for (int64_t j = 0; j < n; ++j) {
     float acc = 0;
-    for (int64_t i = 0; i < h; ++i) acc += q[i] * keys[j * stride + i];
+    for (int64_t i = 0; i < h; ++i) acc += q[i] * keys[j][i];
     out[j] = acc * scale;
   }
 }
 
-void exp_shifted_portable(float* w, int64_t n, float top, float hidden) {
-  for (int64_t j = 0; j < n; ++j) w[j] = w[j] != hidden ? std::exp(w[j] - top) : 0.0f;
+float softmax_portable(float* w, int64_t n) {
+  const float top = *std::max_element(w, w + n);
+  float total = 0;
+  for (int64_t j = 0; j < n; ++j) total += w[j] = std::exp(w[j] - top);
+  return total;
 }
 
-void values_portable(const float* weights, const float* values, int64_t stride, int64_t n,
-                     int64_t h, float* out) {
-  for (int64_t j = 0; j < n; ++j) {
-    if (weights[j] == 0.0f) continue;
-    for (int64_t c = 0; c < h; ++c) out[c] += weights[j] * values[j * stride + c];
-  }
+void values_portable(const float* w, const float* const* values, int64_t n, int64_t h,
+                     float total, float* out) {
+  std::fill_n(out, h, 0.0f);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t c = 0; c < h; ++c) out[c] += w[j] * values[j][c];
+  for (int64_t c = 0; c < h; ++c) out[c] /= total;
 }
 
 RowOps row_ops(int64_t h) {
 #if PSPEC_X86
   if (std::strcmp(isa().name, "portable") != 0 && h % 8 == 0)
-    return {scores_avx2, values_avx2, exp_shifted_avx2};
+    return {scores_avx2, softmax_avx2, values_avx2};
 #endif
-  return {scores_portable, values_portable, exp_shifted_portable};
+  return {scores_portable, softmax_portable, values_portable};
 }
 
 struct Attention {
@@ -1008,55 +1147,136 @@ struct Attention {
   int64_t b, t, s, kv, g, h;
   float scale;
   RowOps ops;  // row_ops(h), chosen once per call
+
+  int64_t stride() const { return kv * h; }  // between a head's rows of consecutive slots
+  int64_t cache_len_of(int64_t bi) const { return std::clamp<int64_t>(cache_len[bi], 0, s); }
+  const float* key(int64_t bi, int64_t head, int64_t slot) const {
+    return k_cache + ((bi * s + slot) * kv + head) * h;
+  }
+  const float* value(int64_t bi, int64_t head, int64_t slot) const {
+    return v_cache + ((bi * s + slot) * kv + head) * h;
+  }
+  const float* new_key(int64_t bi, int64_t head, int64_t u) const {
+    return k_new + ((bi * t + u) * kv + head) * h;
+  }
+  const float* new_value(int64_t bi, int64_t head, int64_t u) const {
+    return v_new + ((bi * t + u) * kv + head) * h;
+  }
+  int64_t row(int64_t bi, int64_t tok, int64_t head, int64_t grp) const {
+    return ((bi * t + tok) * kv + head) * g + grp;
+  }
+  // The new tokens row `tok` sees, appended to keys/values from `n` on; returns the new count.
+  int64_t add_new(int64_t bi, int64_t head, int64_t tok, const float** keys,
+                  const float** values, int64_t n) const {
+    const bool* sees = mask + (bi * t + tok) * t;
+    for (int64_t u = 0; u < t; ++u) {
+      if (!sees[u]) continue;
+      keys[n] = new_key(bi, head, u);
+      values[n++] = new_value(bi, head, u);
+    }
+    return n;
+  }
+  // A row that sees nothing (padding) averages every slot: all values, each weight 1.
+  int64_t add_every_slot(int64_t bi, int64_t head, const float** values, float* w) const {
+    int64_t n = 0;
+    for (int64_t j = 0; j < s; ++j) values[n++] = value(bi, head, j);
+    for (int64_t u = 0; u < t; ++u) values[n++] = new_value(bi, head, u);
+    std::fill_n(w, n, 1.0f);
+    return n;
+  }
 };
 
-// One (sequence, key/value head): its T*G query rows, one after another, while the head's
-// keys and values stay in cache.
+// One (sequence, query head): its T rows, one after another (AVX2 and portable).
 void attention_task(const void* ctx, int64_t task) {
   const Attention& a = *static_cast<const Attention*>(ctx);
-  const int64_t bi = task / a.kv, head = task % a.kv, slots = a.s + a.t;
-  const int64_t len = std::clamp<int64_t>(a.cache_len[bi], 0, a.s);
-  const RowOps& ops = a.ops;
-  constexpr float kHidden = -std::numeric_limits<float>::max();  // jnp.finfo(float32).min
-  thread_local std::vector<float> w;                            // [slots]
+  const int64_t bi = task / (a.kv * a.g), head = task / a.g % a.kv, grp = task % a.g;
+  const int64_t len = a.cache_len_of(bi), slots = a.s + a.t;
+  thread_local std::vector<float> w;                     // [slots] scores, then weights
+  thread_local std::vector<const float*> keys, values;  // [slots] the keys a row sees
   w.resize(slots);
-  const int64_t stride = a.kv * a.h;  // between a head's rows of consecutive slots
-  const float* k_cache = a.k_cache + (bi * a.s * a.kv + head) * a.h;
-  const float* v_cache = a.v_cache + (bi * a.s * a.kv + head) * a.h;
-  const float* k_new = a.k_new + (bi * a.t * a.kv + head) * a.h;
-  const float* v_new = a.v_new + (bi * a.t * a.kv + head) * a.h;
+  keys.resize(slots);
+  values.resize(slots);
   for (int64_t tok = 0; tok < a.t; ++tok) {
-    const bool* sees = a.mask + (bi * a.t + tok) * a.t;
-    for (int64_t grp = 0; grp < a.g; ++grp) {
-      const int64_t row = ((bi * a.t + tok) * a.kv + head) * a.g + grp;
-      const float* q = a.q + row * a.h;
-      float* out = a.out + row * a.h;
-      // Scores in slot order: the cache's visible slots, then the new tokens this one sees.
-      ops.scores(q, k_cache, stride, len, a.h, a.scale, w.data());
-      std::fill(w.begin() + len, w.begin() + a.s, kHidden);
-      for (int64_t u = 0; u < a.t; ++u) {
-        w[a.s + u] = kHidden;
-        if (sees[u]) ops.scores(q, k_new + u * stride, 0, 1, a.h, a.scale, &w[a.s + u]);
-      }
-      // Softmax: exp(x - max) / sum, hidden slots exactly zero; a row that sees nothing
-      // (padding) gives every slot the same weight, as XLA's masked softmax does.
-      const float top = *std::max_element(w.begin(), w.end());
-      const bool sees_none = top == kHidden;
-      if (sees_none) {
-        std::fill(w.begin(), w.end(), 1.0f);
-      } else {
-        ops.exp_shifted(w.data(), slots, top, kHidden);
-      }
-      float total = 0;
-      for (int64_t j = 0; j < slots; ++j) total += w[j];
-      for (int64_t j = 0; j < slots; ++j) w[j] /= total;
-      // Weighted values in slot order, one running sum: the cache, then the new tokens.
-      std::fill_n(out, a.h, 0.0f);
-      ops.values(w.data(), v_cache, stride, sees_none ? a.s : len, a.h, out);
-      ops.values(w.data() + a.s, v_new, stride, a.t, a.h, out);
+    const int64_t row = a.row(bi, tok, head, grp);
+    for (int64_t j = 0; j < len; ++j) {
+      keys[j] = a.key(bi, head, j);
+      values[j] = a.value(bi, head, j);
     }
+    int64_t n = a.add_new(bi, head, tok, keys.data(), values.data(), len);
+    float total;
+    if (n > 0) {
+      a.ops.scores(a.q + row * a.h, keys.data(), n, a.h, a.scale, w.data());
+      total = a.ops.softmax(w.data(), n);
+    } else {
+      n = a.add_every_slot(bi, head, values.data(), w.data());
+      total = static_cast<float>(n);
+    }
+    a.ops.values(w.data(), values.data(), n, a.h, total, a.out + row * a.h);
   }
 }
+
+#if PSPEC_X86
+// One (sequence, key/value head, block of up to kBlockRows of the head's T*G rows; row i is token
+// i / G, group i % G), AVX-512: the cache's keys and values are read once for the block, each
+// row's own new tokens after them. A row's scores, softmax and running sums are those of the
+// row alone over its list (`scores16` treats every key alike; one running sum per 16 columns in
+// list order, kept in memory between the shared part and the row's own).
+__attribute__((target("avx512f"))) void attention_block_task(const void* ctx, int64_t task) {
+  const Attention& a = *static_cast<const Attention*>(ctx);
+  const int64_t per_head = a.t * a.g, blocks = (per_head + kBlockRows - 1) / kBlockRows;
+  const int64_t bi = task / (a.kv * blocks), head = task / blocks % a.kv;
+  const int64_t first = task % blocks * kBlockRows;
+  const int rows = static_cast<int>(std::min<int64_t>(kBlockRows, per_head - first));
+  const int64_t len = a.cache_len_of(bi), slots = a.s + a.t;
+  thread_local std::vector<float> w, acc, zeros;  // [rows, slots], [rows, H], [H]
+  thread_local std::vector<const float*> keys, values;  // [slots], then each row's [slots]
+  w.resize(kBlockRows * slots);
+  acc.assign(kBlockRows * a.h, 0.0f);
+  if (static_cast<int64_t>(zeros.size()) < a.h) zeros.assign(a.h, 0.0f);
+  keys.resize((kBlockRows + 1) * slots);
+  values.resize((kBlockRows + 1) * slots);
+  for (int64_t j = 0; j < len; ++j) {
+    keys[j] = a.key(bi, head, j);
+    values[j] = a.value(bi, head, j);
+  }
+  const float* q[kBlockRows];
+  float *wr[kBlockRows], *accr[kBlockRows], total[kBlockRows];
+  const float **new_keys[kBlockRows], **new_values[kBlockRows];
+  int64_t num_new[kBlockRows], out_row[kBlockRows];
+  for (int r = 0; r < rows; ++r) {
+    const int64_t tok = (first + r) / a.g, grp = (first + r) % a.g;
+    out_row[r] = a.row(bi, tok, head, grp);
+    q[r] = a.q + out_row[r] * a.h;
+    wr[r] = w.data() + r * slots;
+    accr[r] = acc.data() + r * a.h;
+    new_keys[r] = keys.data() + (r + 1) * slots;
+    new_values[r] = values.data() + (r + 1) * slots;
+    num_new[r] = a.add_new(bi, head, tok, new_keys[r], new_values[r], 0);
+  }
+  scores_avx512(q, rows, keys.data(), len, a.h, a.scale, wr, zeros.data());
+  for (int r = 0; r < rows; ++r) {
+    float* w_new = wr[r] + len;
+    scores_avx512(&q[r], 1, new_keys[r], num_new[r], a.h, a.scale, &w_new, zeros.data());
+    const int64_t n = len + num_new[r];
+    total[r] = n > 0 ? softmax_avx512(wr[r], n) : 0.0f;
+  }
+  values_avx512(wr, rows, values.data(), len, a.h, accr);
+  for (int r = 0; r < rows; ++r) {
+    if (len + num_new[r] > 0) {
+      const float* w_new = wr[r] + len;
+      values_avx512(&w_new, 1, new_values[r], num_new[r], a.h, &accr[r]);
+    } else {
+      const int64_t n = a.add_every_slot(bi, head, new_values[r], wr[r]);
+      values_avx512(&wr[r], 1, new_values[r], n, a.h, &accr[r]);
+      total[r] = static_cast<float>(n);
+    }
+    const __m512 total16 = _mm512_set1_ps(total[r]);
+    float* out = a.out + out_row[r] * a.h;
+    for (int64_t c = 0; c < a.h; c += 16)
+      _mm512_storeu_ps(out + c, _mm512_div_ps(_mm512_loadu_ps(accr[r] + c), total16));
+  }
+}
+#endif
 
 ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
                                ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> cache_len,
@@ -1078,7 +1298,13 @@ ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_
                     k_new.typed_data(), v_new.typed_data(),   cache_len.typed_data(),
                     mask.typed_data(),  out->typed_data(),    b, t, s, kv, g, h, scale,
                     row_ops(h)};
-  pool().run({attention_task, &a, b * kv});
+#if PSPEC_X86
+  if (std::strcmp(isa().name, "avx512") == 0 && h % 16 == 0) {
+    pool().run({attention_block_task, &a, b * kv * ((t * g + kBlockRows - 1) / kBlockRows)});
+    return ffi::Error::Success();
+  }
+#endif
+  pool().run({attention_task, &a, b * kv * g});
   return ffi::Error::Success();
 }
 
