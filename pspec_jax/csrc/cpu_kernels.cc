@@ -874,14 +874,15 @@ ffi::Error PanelMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws, ffi::
 //   q [B, T, KV, G, H], caches [B, S, KV, H], cache_len [B] int32, new keys/values [B, T, KV, H],
 //   mask [B, T, T] bool (new token t sees new token u), out [B, T, KV, G, H]; all float32.
 //
-// A task is one (sequence, query head): its T query rows, one after another, while its key/value
-// head stays in cache (B*KV*G tasks, so two cores share even one sequence's 9 heads evenly).
 // A row first lists the keys it sees, in slot order: the cache's first `len` slots, then the new
-// tokens its mask allows. Scores, softmax and the weighted sum run over that list alone, and a
-// key's score is computed the same way wherever it sits in the list. So a row's result depends on
-// nothing but the keys and values it sees, in that order, never on the other rows of the call or
-// on slots it does not see: a verified tree node, whose ancestors are new tokens, computes bit
-// for bit what a plain step computes with them in the cache. A row that sees nothing at all
+// tokens its mask allows. Scores, softmax and the weighted sum run over that list alone (the sum
+// normalised once at the end), and a key's score is computed the same way wherever it sits in
+// the list. So a row's result depends on nothing but the keys and values it sees, in that order,
+// never on the other rows of the call or on slots it does not see: a verified tree node, whose
+// ancestors are new tokens, computes bit for bit what a plain step computes with them in the
+// cache. On AVX-512 a task is a block of up to kBlockRows rows of one (sequence, key/value head),
+// which read each cached key and value once for the block; elsewhere a task is one (sequence,
+// query head)'s T rows, one after another. A row that sees nothing at all
 // (padding) averages every slot's value, as a softmax of equal masked scores does.
 
 struct RowOps {
