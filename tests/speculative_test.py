@@ -603,7 +603,7 @@ def test_a_tree_node_computes_a_plain_steps_logits_bit_for_bit(weights):
   step = functools.partial(run, target, cache)
   plain = np.asarray(step(jnp.asarray([[7]]), jnp.asarray([[70]]), jnp.ones((1, 1, 1), bool)))
   rng = np.random.default_rng(0)
-  for t in (2, 7, 8, 9, 16, 33):
+  for t in (2, 9, 33):  # one row beside it, past 8 rows (where XLA:CPU reordered), past 32
     others = rng.integers(0, 129, t - 1)
     nodes = jnp.asarray([[7, *others]], jnp.int32)
     positions = jnp.asarray([[70, *rng.integers(70, 75, t - 1)]], jnp.int32)
