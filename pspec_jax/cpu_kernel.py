@@ -18,8 +18,8 @@ a row's result is its own, and the same on every instruction set.
 XLA splits a decoding step's attention into a dozen small dots and reductions that read the
 cache in pieces (at batch 32, 5-10x slower than reading it once). `attention` runs rows over the
 keys and values they see (on AVX-512 several rows of a key/value head at once, so each is read
-once for them all), skips cache slots past a sequence's length, and keeps the same row independence: a tree node attends bit for bit
-as a plain step does.
+once for them all), skips cache slots past a sequence's length, and keeps the same row
+independence: a tree node attends bit for bit as a plain step does.
 
 The kernel is C++ built from source on this machine (`build`; `make setup` runs it, and the
 first use builds it where a compiler exists), kept under `pspec_jax.cache_dir("kernels")`

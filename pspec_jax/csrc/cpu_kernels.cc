@@ -571,7 +571,8 @@ __attribute__((target(PSPEC_VNNI), always_inline)) inline void rows_avx512(
       const __m512i isum = a.m != nullptr ? sum[r][g] : _mm512_sub_epi32(sum[r][g], off);
       __m512 y = _mm512_load_ps(y_r + 16 * g);
       y = _mm512_fmadd_ps(t, _mm512_cvtepi32_ps(isum), y);
-      if (a.m != nullptr) y = _mm512_fmadd_ps(_mm512_loadu_ps(a.m + 16 * g), _mm512_set1_ps(x.sx[i]), y);
+      if (a.m != nullptr)
+        y = _mm512_fmadd_ps(_mm512_loadu_ps(a.m + 16 * g), _mm512_set1_ps(x.sx[i]), y);
       _mm512_store_ps(y_r + 16 * g, y);
     }
   }
@@ -897,6 +898,25 @@ struct RowOps {
 };
 
 #if PSPEC_X86
+// exp on 8 lanes (Cephes' expf: 2^n e^r with a degree-5 polynomial; relative error ~2e-7).
+__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.37626f));
+  const __m256 n = _mm256_floor_ps(
+      _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i pow2n = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
+}
+
 // AVX-512 attention runs a block of up to kBlockRows rows of one key/value head together, so
 // each key and value is read from memory once per block, not once per row.
 constexpr int kBlockRows = 6;
@@ -992,40 +1012,25 @@ __attribute__((target("avx512f"))) void values_avx512(const float* const* w, int
   }
 }
 
-// exp on 16 lanes: exp8's arithmetic, lane for lane.
-__attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.33654f)), _mm512_set1_ps(88.37626f));
-  const __m512 n = _mm512_roundscale_ps(
-      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i pow2n = _mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(pow2n));
-}
-
-// Max, exp and sum 16 at a time; the sum's lanes run over list positions, then across lanes.
-__attribute__((target("avx512f"))) float softmax_avx512(float* w, int64_t n) {
+// The max, exp8 on each half and the sum, 16 at a time; the sum's lanes run over list positions,
+// then across lanes.
+__attribute__((target("avx512f,avx2,fma"))) float softmax_avx512(float* w, int64_t n) {
   const auto mask = [n](int64_t j) {
     return static_cast<__mmask16>(j + 16 <= n ? 0xffffu : (1u << (n - j)) - 1);
   };
   __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j = 0; j < n; j += 16)
     top = _mm512_mask_max_ps(top, mask(j), top, _mm512_maskz_loadu_ps(mask(j), w + j));
-  const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  const __m256 shift = _mm256_set1_ps(_mm512_reduce_max_ps(top));
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; j += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask(j), w + j), shift));
+    const __m512d x = _mm512_castps_pd(_mm512_maskz_loadu_ps(mask(j), w + j));
+    const __m256 lo = exp8(_mm256_sub_ps(_mm256_castpd_ps(_mm512_castpd512_pd256(x)), shift));
+    const __m256 hi = exp8(_mm256_sub_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(x, 1)), shift));
+    const __m512 e = _mm512_castpd_ps(
+        _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
     _mm512_mask_storeu_ps(w + j, mask(j), e);
-    sum = _mm512_mask_add_ps(sum, mask(j), sum, e);
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask(j), e));
   }
   return _mm512_reduce_add_ps(sum);
 }
@@ -1067,25 +1072,6 @@ __attribute__((target("avx2,fma"))) void values_avx2(const float* w, const float
     for (int v = 0; v < vectors; ++v)
       _mm256_storeu_ps(out + c + 8 * v, _mm256_div_ps(acc[v], total8));
   }
-}
-
-// exp on 8 lanes (Cephes' expf: 2^n e^r with a degree-5 polynomial; relative error ~2e-7).
-__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.37626f));
-  const __m256 n = _mm256_floor_ps(
-      _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i pow2n = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
 }
 
 __attribute__((target("avx2,fma"))) void exp_shifted_avx2(float* w, int64_t n, float top) {
