@@ -186,7 +186,7 @@ _CHECK = textwrap.dedent(
       assert np.array_equal(got, want), kind
   # Decoding attention: its own answer against numpy's, on the ISA and threads of the run.
   from tests.cpu_kernel_test import attention_case, numpy_attention, tree_node_and_plain_step
-  for h in (64, 12):
+  for h in (64, 80, 12):
     args, scale = attention_case(np.random.default_rng(h), 2, 3, 9, 3, 2, h)
     want = numpy_attention(*args, scale)
     if cpu_kernel.available():
@@ -309,6 +309,7 @@ ATTENTION_SHAPES = [  # B, T, S, KV, G, H: one token or a tree; H off a multiple
   (3, 8, 20, 2, 4, 128),
   (1, 16, 0, 1, 2, 64),
   (2, 3, 9, 3, 1, 12),
+  (2, 4, 40, 2, 3, 80),  # H = 80: a last 16 columns alone on AVX-512
 ]
 
 
@@ -365,7 +366,9 @@ def tree_node_and_plain_step(h: int, cached: int = 40, depth: int = 3):
   return np.asarray(tree)[:, -1], np.asarray(plain)[:, 0]
 
 
-@pytest.mark.parametrize("h,cached,depth", [(64, 40, 3), (64, 13, 2), (128, 30, 5)])
+@pytest.mark.parametrize(
+  "h,cached,depth", [(64, 40, 3), (64, 13, 2), (128, 30, 5), (80, 16, 4), (48, 0, 1)]
+)
 def test_a_tree_node_attends_bit_for_bit_as_a_plain_step(h, cached, depth):
   # 16 keys at a time (AVX-512): the node's keys sit at other places among the 16 in each pass.
   tree, plain = tree_node_and_plain_step(h, cached, depth)

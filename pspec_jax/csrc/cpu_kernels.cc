@@ -1002,6 +1002,7 @@ __attribute__((target("avx512f"))) void values_rows(const float* const* w,
 __attribute__((target("avx512f"))) void values_avx512(const float* const* w, int rows,
                                                       const float* const* values, int64_t n,
                                                       int64_t h, float* const* acc) {
+  static_assert(kBlockRows == 6, "a case per block size below");
   switch (rows) {
     case 1: return values_rows<1>(w, values, n, h, acc);
     case 2: return values_rows<2>(w, values, n, h, acc);
@@ -1024,6 +1025,7 @@ __attribute__((target("avx512f,avx2,fma"))) float softmax_avx512(float* w, int64
   const __m256 shift = _mm256_set1_ps(_mm512_reduce_max_ps(top));
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; j += 16) {
+    // The halves split and rejoin through double casts, which need no AVX-512DQ.
     const __m512d x = _mm512_castps_pd(_mm512_maskz_loadu_ps(mask(j), w + j));
     const __m256 lo = exp8(_mm256_sub_ps(_mm256_castpd_ps(_mm512_castpd512_pd256(x)), shift));
     const __m256 hi = exp8(_mm256_sub_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(x, 1)), shift));
@@ -1286,7 +1288,7 @@ ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_
                     mask.typed_data(),  out->typed_data(),    b, t, s, kv, g, h, scale,
                     row_ops(h)};
 #if PSPEC_X86
-  if (std::strcmp(isa().name, "avx512") == 0 && h % 16 == 0) {
+  if (std::strcmp(isa().name, "avx512") == 0 && h > 0 && h % 16 == 0) {
     pool().run({attention_block_task, &a, b * kv * ((t * g + kBlockRows - 1) / kBlockRows)});
     return ffi::Error::Success();
   }
