@@ -123,10 +123,9 @@ def main():
     num_draft=FLAGS.num_draft,
     tree=FLAGS.tree,
   )
-  blocks = any(x.dtype == jax.numpy.uint8 for x in jax.tree.leaves(target.params))
   print(
     f"# Round profile: {FLAGS.target}, {FLAGS.dtype}, {target.cfg.weight_layout} weights"
-    f"{' (GGUF blocks)' if blocks else ''}, "
+    f"{' (GGUF blocks)' if target.keeps_blocks else ''}, "
     f"K={FLAGS.num_draft}, tree {FLAGS.tree}"
   )
   print(f"{jax.devices()[0].device_kind} ({jax.default_backend()})\n")
