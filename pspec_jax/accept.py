@@ -34,6 +34,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pspec_jax import sampling
 from pspec_jax.sampling import SamplingConfig, argmax, filtered_logits
 from pspec_jax.tree import TreeArrays
 
@@ -62,7 +63,7 @@ def accept(
     drafts: (node_table_BM, draft_logq_BGV) when the drafted nodes were drawn from the
       drafter's distributions (`sampled_walk`), else None (deterministic children). Ignored
       when greedy.
-    noise_BV: the bonus draw's Gumbel noise if drawn already (`bonus_noise(key, ...)`, the
+    noise_BV: the bonus draw's random numbers if drawn already (`bonus_noise(key, ...)`, the
       same numbers), else None. Ignored when greedy.
 
   Returns:
@@ -87,21 +88,22 @@ def accept(
 
 
 def bonus_noise(key: jax.Array, shape: tuple[int, int]) -> jax.Array:
-  """The Gumbel noise [B, V] of the bonus token's draw that `accept` makes with `key`.
+  """The random numbers of the bonus token's draw that `accept` makes with `key`, for logits of
+  `shape` [B, V] (`sampling.noise`).
 
-  An adaptive round draws it before the switch over its candidates: JAX lowers threefry on a
+  An adaptive round draws them before the switch over its candidates: JAX lowers threefry on a
   CPU as a loop of 5 steps, which XLA:CPU runs as one cheap kernel at the top of the round but
-  step by step, copying the bits, inside a `lax.switch` branch (0.5 ms against 0.04 ms for a
-  49k-token vocabulary, 2% of a round of the embedded target)."""
-  return jax.random.gumbel(jax.random.split(key)[1], shape, jnp.float32)
+  step by step, copying the bits, inside a `lax.switch` branch (Gumbel noise of a 49k-token
+  vocabulary: 0.5 ms against 0.04 ms, 2% of a round of the embedded target)."""
+  return sampling.noise(jax.random.split(key)[1], shape)
 
 
 def _bonus(key: jax.Array, logits_BV: jax.Array, noise_BV: jax.Array | None) -> jax.Array:
-  """The bonus token: a Gumbel-max draw from float32 `logits_BV` with `bonus_noise(key)`,
-  or with `noise_BV` if drawn already."""
+  """The bonus token: a draw from float32 `logits_BV` with `bonus_noise(key)`, or with
+  `noise_BV` if drawn already."""
   if noise_BV is None:
     noise_BV = bonus_noise(key, logits_BV.shape)
-  return argmax(logits_BV + noise_BV)
+  return sampling.categorical(key, logits_BV, noise_BV)
 
 
 def greedy_walk(best_M, tokens_M, children_MC, max_depth: int) -> jax.Array:
@@ -261,7 +263,7 @@ def recursive_rejection(
   max_depth, num_slots = uniform_BPC.shape[1:]
 
   def walk(logits_MV, logq_GV, tokens_M, table_M, children_MC, depth_M, uniform_PC):
-    p = lambda node: jax.nn.softmax(filtered_logits(logits_MV[node], cfg))
+    p = lambda node: sampling.softmax(filtered_logits(logits_MV[node], cfg))
     # The row the drafted children of each node were drawn from (0 where none: never read).
     kid_table_M = jnp.max(jnp.where(children_MC >= 0, table_M[children_MC], -1), axis=-1)
     kid_q = lambda node: jnp.exp(logq_GV[jnp.maximum(kid_table_M[node], 0)].astype(jnp.float32))

@@ -50,21 +50,27 @@ import pspec_jax
 __all__ = [
   "MAX_ROWS",
   "MAX_WEIGHTS",
+  "argmax",
   "attention",
   "available",
   "build",
   "describe",
   "disabled",
+  "draws",
   "library_path",
   "matmul",
   "matmuls",
   "platform_dependent",
+  "softmax",
 ]
 
 MAX_ROWS = 64  # csrc/cpu_kernels.cc kMaxRows: more rows are a prefill, left to XLA
 MAX_WEIGHTS = 4  # kMaxWeights: weights one `matmuls` call multiplies
 _TARGET = "pspec_panel_matmul"
 _ATTENTION = "pspec_decode_attention"
+_ARGMAX = "pspec_vocab_argmax"
+_DRAWS = "pspec_vocab_draws"
+_SOFTMAX = "pspec_vocab_softmax"
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-pthread")
 
 
@@ -136,6 +142,9 @@ def _library() -> ctypes.CDLL | None:
     return None
   jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.PanelMatmul), platform="cpu")
   jax.ffi.register_ffi_target(_ATTENTION, jax.ffi.pycapsule(lib.DecodeAttention), platform="cpu")
+  jax.ffi.register_ffi_target(_ARGMAX, jax.ffi.pycapsule(lib.VocabArgmax), platform="cpu")
+  jax.ffi.register_ffi_target(_DRAWS, jax.ffi.pycapsule(lib.VocabDraws), platform="cpu")
+  jax.ffi.register_ffi_target(_SOFTMAX, jax.ffi.pycapsule(lib.VocabSoftmax), platform="cpu")
   lib.pspec_panel_matmul_isa.restype = ctypes.c_char_p
   return lib
 
@@ -234,3 +243,43 @@ def attention(q_BTKGH, k_BSKH, v_BSKH, cache_len_B, k_BTKH, v_BTKH, mask_BTT, sc
     mask_BTT.astype(jnp.bool_),
     scale=np.float32(scale),
   )
+
+
+def _rows(x_XV: jax.Array) -> jax.Array:
+  if _library() is None:
+    raise RuntimeError("the CPU kernels are not available")
+  if x_XV.ndim < 1 or x_XV.shape[-1] < 1:
+    raise ValueError(f"a vocabulary axis of at least one logit is needed, got {x_XV.shape}")
+  return x_XV.astype(jnp.float32).reshape(-1, x_XV.shape[-1])
+
+
+def argmax(x_XV: jax.Array) -> jax.Array:
+  """The first index of each row's maximum over the last axis, int32 (as jnp.argmax; rows hold
+  no NaN): a vectorised max, then a vectorised search for its first place."""
+  rows = _rows(x_XV)
+  out = jax.ShapeDtypeStruct(rows.shape[:1], jnp.int32)
+  return jax.ffi.ffi_call(_ARGMAX, out, vmap_method="sequential")(rows).reshape(x_XV.shape[:-1])
+
+
+def draws(x_XV: jax.Array, bits_XD2: jax.Array) -> jax.Array:
+  """D draws without replacement from softmax over the last axis of the logits `x_XV` (a -inf
+  logit is never drawn), in the order drawn: [..., D] int32, the law of Gumbel-top-D.
+
+  `bits_XD2` [..., D, 2] uint32 are the draws' random bits (`jax.random.bits`): draw j takes
+  u in [0, 1) from its pair (53 bits) and inverts the distribution function of the tokens not
+  drawn yet, their masses exp(x - max x) summed in double. A row without a finite logit draws
+  token 0 (as jax.random.categorical)."""
+  rows = _rows(x_XV)
+  d = bits_XD2.shape[-2]
+  bits = bits_XD2.astype(jnp.uint32).reshape(rows.shape[0], d, 2)
+  out = jax.ShapeDtypeStruct((rows.shape[0], d), jnp.int32)
+  drawn = jax.ffi.ffi_call(_DRAWS, out, vmap_method="sequential")(rows, bits)
+  return drawn.reshape(*x_XV.shape[:-1], d)
+
+
+def softmax(x_XV: jax.Array) -> jax.Array:
+  """softmax over the last axis, float32: exp(x - max x) (0 at -inf) over their sum in double.
+  A row without a finite logit is all zeros."""
+  rows = _rows(x_XV)
+  out = jax.ShapeDtypeStruct(rows.shape, jnp.float32)
+  return jax.ffi.ffi_call(_SOFTMAX, out, vmap_method="sequential")(rows).reshape(x_XV.shape)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from pspec_jax import sampling
 from pspec_jax import tree as tree_lib
 from pspec_jax.arrays import take_rows
 from pspec_jax.drafter import Drafter, FeatureDrafter
@@ -89,7 +90,7 @@ class Draw:
 
 
 def draw_candidates(logq_XV: jax.Array, num_candidates: int, key: jax.Array):
-  """`num_candidates` distinct draws from each row of q, without replacement (Gumbel-top-k).
+  """`num_candidates` distinct draws from each row of q, without replacement (`sampling.draws`).
 
   Returns:
     (index [..., k], score [..., k]): the draws (indices into the row) in the order drawn, and
@@ -97,7 +98,7 @@ def draw_candidates(logq_XV: jax.Array, num_candidates: int, key: jax.Array):
     draw's own log q; it reads the draws before rank r only).
   """
   k = num_candidates
-  index = jax.lax.top_k(logq_XV + jax.random.gumbel(key, logq_XV.shape), k)[1]
+  index = sampling.draws(key, logq_XV, k)
   top_logq, top_index = jax.lax.top_k(logq_XV, k)
   before = jnp.arange(k)[None, :] < jnp.arange(k)[:, None]  # [rank, j]: draw j precedes rank
   # [..., rank, t]: q's t-th most probable index was drawn before rank.

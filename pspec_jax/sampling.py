@@ -2,6 +2,13 @@
 
 `filtered_logits` defines *the* target distribution at T > 0; speculative acceptance must use
 the same function so that its output distribution equals plain sampling's.
+
+Vocabulary-sized rows are slow on XLA:CPU, which reduces a row one element at a time and draws
+Gumbel noise of the row's length for a sample. Where JAX's default backend is the CPU and the
+CPU kernels are built, `argmax` and every draw (`categorical`, `draws`) are kernel calls
+(`cpu_kernel.argmax`, `cpu_kernel.draws`: inverse-CDF draws from a few random bits per draw);
+elsewhere Gumbel-max and Gumbel-top-k. Both draw from the same law; for a given key they draw
+different tokens.
 """
 
 import dataclasses
@@ -9,7 +16,18 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-__all__ = ["SamplingConfig", "filtered_logits", "select"]
+from pspec_jax import cpu_kernel
+
+__all__ = [
+  "SamplingConfig",
+  "argmax",
+  "categorical",
+  "draws",
+  "filtered_logits",
+  "noise",
+  "select",
+  "softmax",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -52,18 +70,57 @@ def filtered_logits(logits_BV: jax.Array, cfg: SamplingConfig) -> jax.Array:
   return logits
 
 
+def _kernel() -> bool:
+  """Whether vocabulary rows go to the CPU kernels: decided when tracing, since the two ways
+  draw from different random numbers (`noise`)."""
+  return jax.default_backend() == "cpu" and cpu_kernel.available()
+
+
 def argmax(x: jax.Array) -> jax.Array:
-  """jnp.argmax over the last axis (the first index of the maximum), as int32, in two plain
-  reductions: XLA:CPU's fused index-and-value reduction costs 0.2 ms per 49k-token row, this
-  a seventh of it. Rows must hold no NaN."""
+  """jnp.argmax over the last axis (the first index of the maximum), as int32. Rows must hold
+  no NaN. Without the kernel, two plain reductions: XLA:CPU's fused index-and-value reduction
+  costs 0.2 ms per 49k-token row, this a seventh of it (the kernel a thirtieth)."""
+  if _kernel():
+    return cpu_kernel.argmax(x)
   best = jnp.max(x, axis=-1, keepdims=True)
   index = jnp.arange(x.shape[-1], dtype=jnp.int32)
   return jnp.min(jnp.where(x == best, index, x.shape[-1] - 1), axis=-1)
 
 
-def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
-  """jax.random.categorical over the last axis (the same Gumbel-max draw) with `argmax`."""
-  return argmax(logits + jax.random.gumbel(key, logits.shape, logits.dtype))
+def softmax(x: jax.Array) -> jax.Array:
+  """jax.nn.softmax over the last axis of float32 logits (a row of -inf only: zeros with the
+  kernel)."""
+  if _kernel():
+    return cpu_kernel.softmax(x)
+  return jax.nn.softmax(x, axis=-1)
+
+
+def noise(key: jax.Array, shape: tuple[int, ...], num: int = 1) -> jax.Array:
+  """The random numbers of `num` draws from each row of logits of `shape` (`draws`): random
+  bits [..., num, 2] for the kernel, else Gumbel noise of the logits' shape (num = 1 only)."""
+  if _kernel():
+    return jax.random.bits(key, (*shape[:-1], num, 2), jnp.uint32)
+  if num != 1:
+    raise ValueError("Gumbel noise serves one draw per row")
+  return jax.random.gumbel(key, shape, jnp.float32)
+
+
+def draws(key: jax.Array, logits: jax.Array, num: int) -> jax.Array:
+  """`num` distinct draws from softmax over the last axis of `logits`, without replacement, in
+  the order drawn: [..., num] int32 (a -inf logit is never drawn; Gumbel-top-k's law)."""
+  if _kernel():
+    return cpu_kernel.draws(logits, noise(key, logits.shape, num))
+  return jax.lax.top_k(logits + jax.random.gumbel(key, logits.shape, logits.dtype), num)[1]
+
+
+def categorical(key: jax.Array, logits: jax.Array, drawn_noise: jax.Array | None = None):
+  """One draw per row from softmax over the last axis (the law of jax.random.categorical):
+  [...] int32, with `noise(key, logits.shape)`, or with `drawn_noise` if drawn already."""
+  if drawn_noise is None:
+    drawn_noise = noise(key, logits.shape)
+  if _kernel():
+    return cpu_kernel.draws(logits, drawn_noise)[..., 0]
+  return argmax(logits + drawn_noise)
 
 
 def select(logits_BV: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:

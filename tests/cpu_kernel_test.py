@@ -194,6 +194,22 @@ _CHECK = textwrap.dedent(
       np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
       tree, plain = tree_node_and_plain_step(h)
       assert np.array_equal(tree, plain), h
+  # Vocabulary rows: argmax exact, softmax close, draws numpy's inverse distribution function.
+  if cpu_kernel.available():
+    x = (rng.standard_normal((3, 1001)) * 4).astype(np.float32)
+    x[:, ::7] = -np.inf
+    assert np.array_equal(np.asarray(cpu_kernel.argmax(x)), np.argmax(x, -1))
+    got = np.asarray(cpu_kernel.softmax(x))
+    np.testing.assert_allclose(got, jax.nn.softmax(x, -1), rtol=2e-6, atol=1e-9)
+    bits = rng.integers(0, 2**32, (3, 4, 2), dtype=np.uint64).astype(np.uint32)
+    drawn = np.asarray(cpu_kernel.draws(x, bits))
+    for r in range(3):
+      mass = np.exp(x[r].astype(np.float64) - x[r].max())
+      for j in range(4):
+        u = ((int(bits[r, j, 0]) << 21) | (int(bits[r, j, 1]) >> 11)) * 2.0**-53
+        want = int(np.searchsorted(np.cumsum(mass), u * mass.sum(), side="right"))
+        assert drawn[r, j] == want, (r, j, drawn[r], want)
+        mass[want] = 0
   print(cpu_kernel.describe(), "custom call" in f.lower(jnp.asarray(x)).as_text().replace(
       "pspec_panel_matmul", "custom call"))
   """
@@ -429,3 +445,79 @@ def test_the_cpu_branch_is_traced_alone_where_the_cpu_is_the_only_platform(monke
   # runs on the CPU.
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   assert run() == 2 and sorted(traced) == ["cpu", "else"]
+
+
+# Vocabulary rows: argmax, softmax and draws without replacement.
+
+
+def _logits(rng, shape, ties=False):
+  x = rng.integers(-3, 4, shape) if ties else rng.standard_normal(shape) * 4
+  x = x.astype(np.float32)
+  x[rng.random(shape) < 0.2] = -np.inf
+  return x
+
+
+@pytest.mark.parametrize("shape", [(1, 49152), (3, 1000), (2, 7), (5, 17), (2, 3, 33)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_vocabulary_argmax_is_jnp_argmax(shape, ties):
+  x = _logits(np.random.default_rng(len(shape) + shape[-1]), shape, ties)
+  got = np.asarray(jax.jit(cpu_kernel.argmax)(x))
+  np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+  assert got.dtype == np.int32 and got.shape == shape[:-1]
+  # A row without a finite logit: token 0, as jnp.argmax.
+  assert np.asarray(cpu_kernel.argmax(np.full((2, 9), -np.inf, np.float32))).tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("shape", [(1, 49152), (3, 1000), (2, 7), (2, 3, 33)])
+def test_vocabulary_softmax_is_jax_nn_softmax(shape):
+  x = _logits(np.random.default_rng(shape[-1]), shape)
+  got = np.asarray(jax.jit(cpu_kernel.softmax)(x))
+  np.testing.assert_allclose(got, jax.nn.softmax(x, axis=-1), rtol=2e-6, atol=1e-9)
+  assert (got[x == -np.inf] == 0).all()
+  np.testing.assert_allclose(got.sum(-1), 1.0, rtol=1e-6)
+  np.testing.assert_array_equal(cpu_kernel.softmax(np.full((1, 5), -np.inf, np.float32)), 0.0)
+
+
+def _bits(key, shape):
+  return jax.random.bits(key, shape, jnp.uint32)
+
+
+def test_draws_without_replacement_follow_the_softmax_in_the_order_drawn():
+  import scipy.stats
+
+  logits = np.array([1.0, 2.0, -np.inf, 0.5, 3.0, -1.0], np.float32)
+  p = np.exp(logits.astype(np.float64) - logits.max())
+  p /= p.sum()
+  n = 60000
+  keys = jax.vmap(jax.random.key)(jnp.arange(n))
+  bits = jax.vmap(lambda k: _bits(k, (3, 2)))(keys)
+  drawn = np.asarray(cpu_kernel.draws(np.broadcast_to(logits, (n, 6)), bits))
+  assert drawn.shape == (n, 3) and drawn.dtype == np.int32
+  assert (drawn != 2).all()  # a -inf logit is never drawn
+  assert (drawn[:, 0] != drawn[:, 1]).all() and (drawn[:, 1] != drawn[:, 2]).all()
+  assert (drawn[:, 0] != drawn[:, 2]).all()
+  # The ordered pair (first, second): p_i p_j / (1 - p_i), sampling without replacement.
+  pairs = [(i, j) for i in range(6) for j in range(6) if i != j and p[i] > 0 and p[j] > 0]
+  want = np.array([p[i] * p[j] / (1 - p[i]) for i, j in pairs])
+  index = {pair: k for k, pair in enumerate(pairs)}
+  counts = np.bincount([index[tuple(d)] for d in drawn[:, :2].tolist()], minlength=len(pairs))
+  assert scipy.stats.chisquare(counts, want / want.sum() * n).pvalue > 1e-3
+
+
+def test_draws_at_the_ends_of_the_unit_interval_and_past_the_tokens_with_mass():
+  x = np.array([[-np.inf, 0.0, 1.0, -np.inf, 2.0, -np.inf]], np.float32)
+  zeros = np.zeros((1, 1, 2), np.uint32)
+  ones = np.full((1, 1, 2), 0xFFFFFFFF, np.uint32)
+  assert np.asarray(cpu_kernel.draws(x, zeros)).tolist() == [[1]]  # u = 0: the first of mass
+  assert np.asarray(cpu_kernel.draws(x, ones)).tolist() == [[4]]  # u -> 1: the last of mass
+  # More draws than tokens of mass: every such token once, then the last one again.
+  got = np.asarray(cpu_kernel.draws(x, np.zeros((1, 5, 2), np.uint32)))[0]
+  assert sorted(got[:3].tolist()) == [1, 2, 4] and (got[3:] == got[2]).all()
+  # A row without a finite logit draws token 0 (as jax.random.categorical).
+  none = np.full((2, 4), -np.inf, np.float32)
+  assert np.asarray(cpu_kernel.draws(none, np.zeros((2, 2, 2), np.uint32))).tolist() == [[0, 0]] * 2
+
+
+def test_vocabulary_rows_are_one_clear_error_when_misshapen():
+  with pytest.raises(ValueError, match="vocabulary axis"):
+    cpu_kernel.argmax(np.zeros((2, 0), np.float32))

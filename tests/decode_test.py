@@ -1,5 +1,6 @@
 """The jitted decode loop against a cache-free reference, plus its batching and RNG contracts."""
 
+import contextlib
 import functools
 
 import jax
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from pspec_jax import decode, llama, sampling, testing
+from pspec_jax import cpu_kernel, decode, llama, sampling, testing
 from pspec_jax.sampling import SamplingConfig, filtered_logits, select
 
 # The shared tiny target with a wider vocabulary (sampled sequences differ from seed to seed)
@@ -179,13 +180,30 @@ def test_argmax_and_categorical_equal_jax_s():
   x = jax.random.normal(jax.random.key(0), (3, 5, 1000))
   x = x.at[0, 0, 7].set(9.0).at[0, 0, 3].set(9.0)  # a tie: the first index wins
   x = x.at[1].set(-jnp.inf).at[1, :, 500].set(0.0)  # one finite entry per row
-  np.testing.assert_array_equal(sampling.argmax(x), jnp.argmax(x, axis=-1))
-  assert int(sampling.argmax(x)[0, 0]) == 3
-  for seed in range(5):
-    key = jax.random.key(seed)
-    np.testing.assert_array_equal(
-      sampling.categorical(key, x), jax.random.categorical(key, x, axis=-1)
-    )
+  for kernel in (True, False):  # the CPU kernels (`cpu_kernel.argmax`), then XLA's reductions
+    with contextlib.nullcontext() if kernel else cpu_kernel.disabled():
+      np.testing.assert_array_equal(sampling.argmax(x), jnp.argmax(x, axis=-1))
+      assert int(sampling.argmax(x)[0, 0]) == 3
+      for seed in range(5):
+        key = jax.random.key(seed)
+        drawn = np.asarray(sampling.categorical(key, x))
+        assert drawn.shape == (3, 5) and (drawn[1] == 500).all()
+        if not kernel:  # Gumbel-max with the same noise; the kernel draws by inverse CDF
+          np.testing.assert_array_equal(drawn, jax.random.categorical(key, x, axis=-1))
+
+
+def test_vocabulary_rows_take_the_cpu_kernels_where_they_are_built():
+  x = jnp.zeros((2, 100))
+  key = jax.random.key(0)
+  calls = {
+    "pspec_vocab_argmax": lambda: sampling.argmax(x),
+    "pspec_vocab_softmax": lambda: sampling.softmax(x),
+    "pspec_vocab_draws": lambda: (sampling.categorical(key, x), sampling.draws(key, x, 3)),
+  }
+  for target, fn in calls.items():
+    assert target in jax.jit(fn).lower().as_text(), target
+    with cpu_kernel.disabled():
+      assert "pspec_vocab" not in jax.jit(fn).lower().as_text(), target
 
 
 def _cache_copies_in_loop(target, barrier: bool) -> int:

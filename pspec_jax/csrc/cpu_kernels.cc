@@ -1297,6 +1297,247 @@ ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------------------
+// Vocabulary rows: the argmax of a row of logits, and draws from its softmax. XLA:CPU reduces a
+// row one element at a time (a max over 49,152 logits took 50 us) and draws a categorical
+// sample from Gumbel noise of the row's length (230 us); here each is a few vector passes.
+//
+// VocabArgmax: x [R, V] float32 -> [R] int32, the first index of each row's maximum, as
+//   jnp.argmax (rows hold no NaN).
+// VocabDraws: x [R, V] float32 logits (-inf: never drawn), bits [R, D, 2] uint32 -> [R, D]
+//   int32: D draws without replacement from softmax(x_r), in the order drawn (the law of
+//   Gumbel-top-D). Draw j reads u in [0, 1) from its 64 bits (53 used) and takes the first
+//   token whose cumulative mass, over the tokens not drawn yet, passes u times their total:
+//   the inverse of the distribution function. A token's mass is exp(x - max x) in float32
+//   (exactly 0 at -inf); masses are summed in double, 16 at a time, and the total is the sum of
+//   the same partial sums, so the scan lands on a token of positive mass. A row without a
+//   finite logit draws token 0, as jax.random.categorical does.
+// VocabSoftmax: x [R, V] float32 -> [R, V] float32, softmax(x_r): the same masses over their
+//   sum (in double). A row without a finite logit is all zeros.
+
+constexpr int64_t kVocabBlock = 16;  // masses per partial sum
+
+float row_max_portable(const float* x, int64_t v) {
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < v; ++i) top = std::max(top, x[i]);
+  return top;
+}
+
+int64_t first_equal_portable(const float* x, int64_t v, float top) {
+  int64_t i = 0;
+  while (i < v && !(x[i] == top)) ++i;
+  return i;
+}
+
+void masses_portable(const float* x, int64_t v, float top, float* e) {
+  for (int64_t i = 0; i < v; ++i) e[i] = std::exp(x[i] - top);
+}
+
+#if PSPEC_X86
+__attribute__((target("avx2,fma"))) float row_max_avx2(const float* x, int64_t v) {
+  __m256 a = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), b = a, c = a, d = a;
+  int64_t i = 0;
+  for (; i + 32 <= v; i += 32) {
+    a = _mm256_max_ps(a, _mm256_loadu_ps(x + i));
+    b = _mm256_max_ps(b, _mm256_loadu_ps(x + i + 8));
+    c = _mm256_max_ps(c, _mm256_loadu_ps(x + i + 16));
+    d = _mm256_max_ps(d, _mm256_loadu_ps(x + i + 24));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(a, b), _mm256_max_ps(c, d)));
+  float top = row_max_portable(x + i, v - i);
+  for (float l : lanes) top = std::max(top, l);
+  return top;
+}
+
+__attribute__((target("avx2,fma"))) int64_t first_equal_avx2(const float* x, int64_t v,
+                                                               float top) {
+  const __m256 t = _mm256_set1_ps(top);
+  int64_t i = 0;
+  for (; i + 8 <= v; i += 8) {
+    const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), t, _CMP_EQ_OQ));
+    if (hits != 0) return i + __builtin_ctz(static_cast<unsigned>(hits));
+  }
+  return i + first_equal_portable(x + i, v - i, top);
+}
+
+// exp(x - top) where x - top is above exp8's lower clamp, else 0 (-inf among them).
+__attribute__((target("avx2,fma"))) void masses_avx2(const float* x, int64_t v, float top,
+                                                     float* e) {
+  const __m256 shift = _mm256_set1_ps(top), low = _mm256_set1_ps(-87.33654f);
+  int64_t i = 0;
+  for (; i + 8 <= v; i += 8) {
+    const __m256 t = _mm256_sub_ps(_mm256_loadu_ps(x + i), shift);
+    _mm256_storeu_ps(e + i, _mm256_and_ps(exp8(t), _mm256_cmp_ps(t, low, _CMP_GE_OQ)));
+  }
+  if (i < v) {  // the last few through a padded vector: the same arithmetic per element
+    alignas(32) float tail[8];
+    std::fill_n(tail, 8, -std::numeric_limits<float>::infinity());
+    std::copy(x + i, x + v, tail);
+    alignas(32) float out[8];
+    masses_avx2(tail, 8, top, out);
+    std::copy(out, out + (v - i), e + i);
+  }
+}
+#endif
+
+struct VocabOps {
+  float (*row_max)(const float* x, int64_t v);
+  int64_t (*first_equal)(const float* x, int64_t v, float top);  // v if none
+  void (*masses)(const float* x, int64_t v, float top, float* e);
+};
+
+VocabOps vocab_ops() {
+#if PSPEC_X86
+  if (std::strcmp(isa().name, "portable") != 0)
+    return {row_max_avx2, first_equal_avx2, masses_avx2};
+#endif
+  return {row_max_portable, first_equal_portable, masses_portable};
+}
+
+struct ArgmaxArgs {
+  const float* x;
+  int32_t* out;
+  int64_t v;
+};
+
+void argmax_row(const ArgmaxArgs& a, int64_t r) {
+  const float* x = a.x + r * a.v;
+  const VocabOps ops = vocab_ops();
+  const int64_t i = ops.first_equal(x, a.v, ops.row_max(x, a.v));
+  a.out[r] = static_cast<int32_t>(i < a.v ? i : 0);
+}
+
+// The sum of 16 masses in double, in one fixed order (pairs of lanes, then halves).
+inline double block_sum(const float* e) {
+  double a[8];
+  for (int i = 0; i < 8; ++i) a[i] = static_cast<double>(e[i]) + static_cast<double>(e[i + 8]);
+  for (int i = 0; i < 4; ++i) a[i] += a[i + 4];
+  return (a[0] + a[2]) + (a[1] + a[3]);
+}
+
+double row_masses(const float* x, int64_t v, float* e);
+
+struct DrawsArgs {
+  const float* x;
+  const uint32_t* bits;
+  int32_t* out;
+  int64_t v, draws;
+};
+
+void draw_row(const DrawsArgs& a, int64_t r) {
+  int32_t* out = a.out + r * a.draws;
+  const int64_t blocks = (a.v + kVocabBlock - 1) / kVocabBlock;
+  thread_local std::vector<float> e;
+  thread_local std::vector<double> sums;
+  e.resize(blocks * kVocabBlock);
+  sums.resize(blocks);
+  if (!(row_masses(a.x + r * a.v, a.v, e.data()) > 0)) {
+    std::fill_n(out, a.draws, 0);
+    return;
+  }
+  for (int64_t b = 0; b < blocks; ++b) sums[b] = block_sum(e.data() + b * kVocabBlock);
+  for (int64_t j = 0; j < a.draws; ++j) {
+    double total = 0;
+    for (int64_t b = 0; b < blocks; ++b) total += sums[b];
+    const uint32_t* w = a.bits + (r * a.draws + j) * 2;
+    const uint64_t u53 = (static_cast<uint64_t>(w[0]) << 21) | (w[1] >> 11);
+    const double target = static_cast<double>(u53) * 0x1p-53 * total;
+    // The block where the cumulative mass passes the target, then the token inside it; where
+    // rounding ends the scan short, the last token of positive mass.
+    double below = 0;
+    int64_t pick = -1;
+    for (int64_t b = 0; b < blocks && pick < 0; ++b) {
+      if (below + sums[b] <= target) {
+        below += sums[b];
+        continue;
+      }
+      const float* eb = e.data() + b * kVocabBlock;
+      for (int i = 0; i < kVocabBlock && pick < 0; ++i) {
+        if (eb[i] > 0 && (below += eb[i]) > target) pick = b * kVocabBlock + i;
+      }
+    }
+    if (pick < 0) {
+      pick = blocks * kVocabBlock - 1;
+      while (pick > 0 && !(e[pick] > 0)) --pick;
+    }
+    if (!(e[pick] > 0)) {  // every token drawn already (more draws than tokens of mass)
+      std::fill_n(out + j, a.draws - j, out[j > 0 ? j - 1 : 0]);
+      return;
+    }
+    out[j] = static_cast<int32_t>(pick);
+    e[pick] = 0.0f;  // without replacement
+    sums[pick / kVocabBlock] = block_sum(e.data() + pick / kVocabBlock * kVocabBlock);
+  }
+}
+
+// Row r's masses into e (V floats, then zeros up to a multiple of 16); their total in double.
+double row_masses(const float* x, int64_t v, float* e) {
+  const VocabOps ops = vocab_ops();
+  const float top = ops.row_max(x, v);
+  const int64_t blocks = (v + kVocabBlock - 1) / kVocabBlock;
+  std::fill(e + v, e + blocks * kVocabBlock, 0.0f);
+  if (!(top > -std::numeric_limits<float>::infinity())) {
+    std::fill_n(e, v, 0.0f);
+    return 0;
+  }
+  ops.masses(x, v, top, e);
+  double total = 0;
+  for (int64_t b = 0; b < blocks; ++b) total += block_sum(e + b * kVocabBlock);
+  return total;
+}
+
+struct SoftmaxArgs {
+  const float* x;
+  float* out;
+  int64_t v;
+};
+
+void softmax_row(const SoftmaxArgs& a, int64_t r) {
+  thread_local std::vector<float> e;
+  e.resize((a.v + kVocabBlock - 1) / kVocabBlock * kVocabBlock);
+  const double total = row_masses(a.x + r * a.v, a.v, e.data());
+  const float scale = total > 0 ? static_cast<float>(1.0 / total) : 0.0f;
+  float* out = a.out + r * a.v;
+  for (int64_t i = 0; i < a.v; ++i) out[i] = e[i] * scale;
+}
+
+ffi::Error VocabSoftmaxImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || od.size() != 2 || od[0] != xd[0] || od[1] != xd[1]) {
+    return ffi::Error::InvalidArgument("vocab_softmax: x [R, V], out [R, V]");
+  }
+  SoftmaxArgs a{x.typed_data(), out->typed_data(), xd[1]};
+  auto one = [](const void* c, int64_t r) { softmax_row(*static_cast<const SoftmaxArgs*>(c), r); };
+  pool().run({one, &a, xd[0]});
+  return ffi::Error::Success();
+}
+
+ffi::Error VocabArgmaxImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> out) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2 || out->dimensions().size() != 1 || out->dimensions()[0] != xd[0] ||
+      xd[1] < 1) {
+    return ffi::Error::InvalidArgument("vocab_argmax: x [R, V] with V >= 1, out [R]");
+  }
+  ArgmaxArgs a{x.typed_data(), out->typed_data(), xd[1]};
+  auto one = [](const void* c, int64_t r) { argmax_row(*static_cast<const ArgmaxArgs*>(c), r); };
+  pool().run({one, &a, xd[0]});
+  return ffi::Error::Success();
+}
+
+ffi::Error VocabDrawsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U32> bits,
+                          ffi::ResultBuffer<ffi::S32> out) {
+  const auto xd = x.dimensions(), bd = bits.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || bd.size() != 3 || od.size() != 2 || xd[1] < 1 || bd[0] != xd[0] ||
+      bd[2] != 2 || od[0] != xd[0] || od[1] != bd[1]) {
+    return ffi::Error::InvalidArgument("vocab_draws: x [R, V], bits [R, D, 2], out [R, D]");
+  }
+  DrawsArgs a{x.typed_data(), bits.typed_data(), out->typed_data(), xd[1], bd[1]};
+  auto one = [](const void* c, int64_t r) { draw_row(*static_cast<const DrawsArgs*>(c), r); };
+  pool().run({one, &a, xd[0]});
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PanelMatmul, PanelMatmulImpl,
@@ -1316,6 +1557,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttention, DecodeAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(VocabArgmax, VocabArgmaxImpl,
+                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(VocabSoftmax, VocabSoftmaxImpl,
+                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(VocabDraws, VocabDrawsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
 
 // What the library reports of the kernel it loaded (pspec_jax.cpu_kernel.describe).
 extern "C" const char* pspec_panel_matmul_isa() { return isa().name; }
