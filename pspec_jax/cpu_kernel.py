@@ -245,20 +245,27 @@ def attention(q_BTKGH, k_BSKH, v_BSKH, cache_len_B, k_BTKH, v_BTKH, mask_BTT, sc
   )
 
 
-def _rows(x_XV: jax.Array) -> jax.Array:
+def _vocab(x_XV: jax.Array) -> jax.Array:
+  """Float32 logits with a vocabulary axis last. The kernels take any leading axes as rows, so
+  under vmap the batch is more rows of one call (`vmap_method="broadcast_all"`)."""
   if _library() is None:
     raise RuntimeError("the CPU kernels are not available")
   if x_XV.ndim < 1 or x_XV.shape[-1] < 1:
     raise ValueError(f"a vocabulary axis of at least one logit is needed, got {x_XV.shape}")
-  return x_XV.astype(jnp.float32).reshape(-1, x_XV.shape[-1])
+  return x_XV.astype(jnp.float32)
+
+
+def _vocab_call(target, out_shape, dtype):
+  return jax.ffi.ffi_call(
+    target, jax.ShapeDtypeStruct(out_shape, dtype), vmap_method="broadcast_all"
+  )
 
 
 def argmax(x_XV: jax.Array) -> jax.Array:
   """The first index of each row's maximum over the last axis, int32 (as jnp.argmax; rows hold
   no NaN): a vectorised max, then a vectorised search for its first place."""
-  rows = _rows(x_XV)
-  out = jax.ShapeDtypeStruct(rows.shape[:1], jnp.int32)
-  return jax.ffi.ffi_call(_ARGMAX, out, vmap_method="sequential")(rows).reshape(x_XV.shape[:-1])
+  x = _vocab(x_XV)
+  return _vocab_call(_ARGMAX, x.shape[:-1], jnp.int32)(x)
 
 
 def draws(x_XV: jax.Array, bits_XD2: jax.Array) -> jax.Array:
@@ -268,18 +275,17 @@ def draws(x_XV: jax.Array, bits_XD2: jax.Array) -> jax.Array:
   `bits_XD2` [..., D, 2] uint32 are the draws' random bits (`jax.random.bits`): draw j takes
   u in [0, 1) from its pair (53 bits) and inverts the distribution function of the tokens not
   drawn yet, their masses exp(x - max x) summed in double. A row without a finite logit draws
-  token 0 (as jax.random.categorical)."""
-  rows = _rows(x_XV)
+  token 0 (as jax.random.categorical); more draws than tokens of positive mass repeat the last
+  of them."""
+  x = _vocab(x_XV)
+  if bits_XD2.shape[:-2] != x.shape[:-1] or bits_XD2.shape[-1:] != (2,):
+    raise ValueError(f"bits must be [..., D, 2] for logits {x.shape}, got {bits_XD2.shape}")
   d = bits_XD2.shape[-2]
-  bits = bits_XD2.astype(jnp.uint32).reshape(rows.shape[0], d, 2)
-  out = jax.ShapeDtypeStruct((rows.shape[0], d), jnp.int32)
-  drawn = jax.ffi.ffi_call(_DRAWS, out, vmap_method="sequential")(rows, bits)
-  return drawn.reshape(*x_XV.shape[:-1], d)
+  return _vocab_call(_DRAWS, (*x.shape[:-1], d), jnp.int32)(x, bits_XD2.astype(jnp.uint32))
 
 
 def softmax(x_XV: jax.Array) -> jax.Array:
   """softmax over the last axis, float32: exp(x - max x) (0 at -inf) over their sum in double.
   A row without a finite logit is all zeros."""
-  rows = _rows(x_XV)
-  out = jax.ShapeDtypeStruct(rows.shape, jnp.float32)
-  return jax.ffi.ffi_call(_SOFTMAX, out, vmap_method="sequential")(rows).reshape(x_XV.shape)
+  x = _vocab(x_XV)
+  return _vocab_call(_SOFTMAX, x.shape, jnp.float32)(x)

@@ -1502,39 +1502,58 @@ void softmax_row(const SoftmaxArgs& a, int64_t r) {
   for (int64_t i = 0; i < a.v; ++i) out[i] = e[i] * scale;
 }
 
+// Rows of a vocabulary-sized last axis: the product of the leading dimensions (vmap adds them).
+template <typename Dims>
+int64_t leading(const Dims& d, size_t rank) {
+  int64_t rows = 1;
+  for (size_t i = 0; i < rank; ++i) rows *= d[i];
+  return rows;
+}
+
+template <typename A, typename B>
+bool same_lead(const A& a, const B& b, size_t rank) {
+  for (size_t i = 0; i < rank; ++i)
+    if (a[i] != b[i]) return false;
+  return true;
+}
+
 ffi::Error VocabSoftmaxImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> out) {
   const auto xd = x.dimensions(), od = out->dimensions();
-  if (xd.size() != 2 || od.size() != 2 || od[0] != xd[0] || od[1] != xd[1]) {
-    return ffi::Error::InvalidArgument("vocab_softmax: x [R, V], out [R, V]");
+  if (xd.size() < 1 || od.size() != xd.size() || !same_lead(xd, od, xd.size())) {
+    return ffi::Error::InvalidArgument("vocab_softmax: x [..., V], out of its shape");
   }
-  SoftmaxArgs a{x.typed_data(), out->typed_data(), xd[1]};
+  const size_t lead = xd.size() - 1;
+  SoftmaxArgs a{x.typed_data(), out->typed_data(), xd[lead]};
   auto one = [](const void* c, int64_t r) { softmax_row(*static_cast<const SoftmaxArgs*>(c), r); };
-  pool().run({one, &a, xd[0]});
+  pool().run({one, &a, leading(xd, lead)});
   return ffi::Error::Success();
 }
 
 ffi::Error VocabArgmaxImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> out) {
-  const auto xd = x.dimensions();
-  if (xd.size() != 2 || out->dimensions().size() != 1 || out->dimensions()[0] != xd[0] ||
-      xd[1] < 1) {
-    return ffi::Error::InvalidArgument("vocab_argmax: x [R, V] with V >= 1, out [R]");
+  const auto xd = x.dimensions(), od = out->dimensions();
+  if (xd.size() < 1 || xd[xd.size() - 1] < 1 || od.size() + 1 != xd.size() ||
+      !same_lead(xd, od, od.size())) {
+    return ffi::Error::InvalidArgument("vocab_argmax: x [..., V] with V >= 1, out [...]");
   }
-  ArgmaxArgs a{x.typed_data(), out->typed_data(), xd[1]};
+  const size_t lead = xd.size() - 1;
+  ArgmaxArgs a{x.typed_data(), out->typed_data(), xd[lead]};
   auto one = [](const void* c, int64_t r) { argmax_row(*static_cast<const ArgmaxArgs*>(c), r); };
-  pool().run({one, &a, xd[0]});
+  pool().run({one, &a, leading(xd, lead)});
   return ffi::Error::Success();
 }
 
 ffi::Error VocabDrawsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U32> bits,
                           ffi::ResultBuffer<ffi::S32> out) {
   const auto xd = x.dimensions(), bd = bits.dimensions(), od = out->dimensions();
-  if (xd.size() != 2 || bd.size() != 3 || od.size() != 2 || xd[1] < 1 || bd[0] != xd[0] ||
-      bd[2] != 2 || od[0] != xd[0] || od[1] != bd[1]) {
-    return ffi::Error::InvalidArgument("vocab_draws: x [R, V], bits [R, D, 2], out [R, D]");
+  const size_t lead = xd.size() - 1;
+  if (xd.size() < 1 || xd[lead] < 1 || bd.size() != xd.size() + 1 || od.size() != xd.size() ||
+      !same_lead(xd, bd, lead) || !same_lead(xd, od, lead) || bd[lead + 1] != 2 ||
+      od[lead] != bd[lead]) {
+    return ffi::Error::InvalidArgument("vocab_draws: x [..., V], bits [..., D, 2], out [..., D]");
   }
-  DrawsArgs a{x.typed_data(), bits.typed_data(), out->typed_data(), xd[1], bd[1]};
+  DrawsArgs a{x.typed_data(), bits.typed_data(), out->typed_data(), xd[lead], bd[lead]};
   auto one = [](const void* c, int64_t r) { draw_row(*static_cast<const DrawsArgs*>(c), r); };
-  pool().run({one, &a, xd[0]});
+  pool().run({one, &a, leading(xd, lead)});
   return ffi::Error::Success();
 }
 
