@@ -274,9 +274,9 @@ def draws(x_XV: jax.Array, bits_XD2: jax.Array) -> jax.Array:
 
   `bits_XD2` [..., D, 2] uint32 are the draws' random bits (`jax.random.bits`): draw j takes
   u in [0, 1) from its pair (53 bits) and inverts the distribution function of the tokens not
-  drawn yet, their masses exp(x - max x) summed in double. A row without a finite logit draws
-  token 0 (as jax.random.categorical); more draws than tokens of positive mass repeat the last
-  of them."""
+  drawn yet, their masses exp(x - max x) summed in double (once only logits beyond exp's range
+  below the max are left, weighed again against their own max). A row without a finite logit
+  draws token 0 (as jax.random.categorical); more draws than finite logits repeat the last."""
   x = _vocab(x_XV)
   if bits_XD2.shape[:-2] != x.shape[:-1] or bits_XD2.shape[-1:] != (2,):
     raise ValueError(f"bits must be [..., D, 2] for logits {x.shape}, got {bits_XD2.shape}")

@@ -90,7 +90,8 @@ class Draw:
 
 
 def draw_candidates(logq_XV: jax.Array, num_candidates: int, key: jax.Array):
-  """`num_candidates` distinct draws from each row of q, without replacement (`sampling.draws`).
+  """`num_candidates` draws from each row of q, without replacement (`sampling.draws`): distinct
+  while q has tokens left.
 
   Returns:
     (index [..., k], score [..., k]): the draws (indices into the row) in the order drawn, and

@@ -106,8 +106,9 @@ def noise(key: jax.Array, shape: tuple[int, ...], num: int = 1) -> jax.Array:
 
 
 def draws(key: jax.Array, logits: jax.Array, num: int) -> jax.Array:
-  """`num` distinct draws from softmax over the last axis of `logits`, without replacement, in
-  the order drawn: [..., num] int32 (a -inf logit is never drawn; Gumbel-top-k's law)."""
+  """`num` draws from softmax over the last axis of `logits`, without replacement, in the order
+  drawn: [..., num] int32 (Gumbel-top-k's law; a -inf logit is drawn only once no finite one is
+  left: then the kernel repeats its last draw, XLA's path takes -inf tokens)."""
   if _kernel():
     return cpu_kernel.draws(logits, noise(key, logits.shape, num))
   return jax.lax.top_k(logits + jax.random.gumbel(key, logits.shape, logits.dtype), num)[1]

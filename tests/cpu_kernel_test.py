@@ -513,6 +513,15 @@ def test_draws_at_the_ends_of_the_unit_interval_and_past_the_tokens_with_mass():
   # More draws than tokens of mass: every such token once, then the last one again.
   got = np.asarray(cpu_kernel.draws(x, np.zeros((1, 5, 2), np.uint32)))[0]
   assert sorted(got[:3].tolist()) == [1, 2, 4] and (got[3:] == got[2]).all()
+  # Logits beyond exp's range below the max: weighed again once the others are drawn, as
+  # Gumbel-top-k would draw them; +inf logits share all the mass.
+  far = np.array([[0.0, -200.0, -100.0, -np.inf, -300.0]], np.float32)
+  assert np.asarray(cpu_kernel.draws(far, np.zeros((1, 4, 2), np.uint32))).tolist() == [
+    [0, 2, 1, 4]
+  ]
+  inf = np.array([[np.inf, 0.0, np.inf, -np.inf]], np.float32)
+  assert sorted(np.asarray(cpu_kernel.draws(inf, ones.repeat(2, 1)))[0].tolist()) == [0, 2]
+  np.testing.assert_array_equal(cpu_kernel.softmax(inf), [[0.5, 0.0, 0.5, 0.0]])
   # A row without a finite logit draws token 0 (as jax.random.categorical).
   none = np.full((2, 4), -np.inf, np.float32)
   assert np.asarray(cpu_kernel.draws(none, np.zeros((2, 2, 2), np.uint32))).tolist() == [[0, 0]] * 2

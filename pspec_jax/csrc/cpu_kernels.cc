@@ -1302,6 +1302,7 @@ ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_
 // row one element at a time (a max over 49,152 logits took 50 us) and draws a categorical
 // sample from Gumbel noise of the row's length (230 us); here each is a few vector passes.
 //
+// Every kernel takes the leading axes of x as its rows R (vmap adds them).
 // VocabArgmax: x [R, V] float32 -> [R] int32, the first index of each row's maximum, as
 //   jnp.argmax (rows hold no NaN).
 // VocabDraws: x [R, V] float32 logits (-inf: never drawn), bits [R, D, 2] uint32 -> [R, D]
@@ -1310,10 +1311,12 @@ ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_
 //   token whose cumulative mass, over the tokens not drawn yet, passes u times their total:
 //   the inverse of the distribution function. A token's mass is exp(x - max x) in float32
 //   (exactly 0 at -inf); masses are summed in double, 16 at a time, and the total is the sum of
-//   the same partial sums, so the scan lands on a token of positive mass. A row without a
-//   finite logit draws token 0, as jax.random.categorical does.
+//   the same partial sums, so the scan lands on a token of positive mass. Masses below exp's
+//   range (about 87 below the max) are 0; once only such tokens are left, they are weighed
+//   again against their own max. A row without a finite logit draws token 0, as
+//   jax.random.categorical does; past the finite logits the last draw repeats.
 // VocabSoftmax: x [R, V] float32 -> [R, V] float32, softmax(x_r): the same masses over their
-//   sum (in double). A row without a finite logit is all zeros.
+//   sum (in double). A row without a finite logit is all zeros; +inf logits share the mass.
 
 constexpr int64_t kVocabBlock = 16;  // masses per partial sum
 
@@ -1416,7 +1419,11 @@ inline double block_sum(const float* e) {
   return (a[0] + a[2]) + (a[1] + a[3]);
 }
 
-double row_masses(const float* x, int64_t v, float* e);
+// Row x's masses exp(x - max x) into e (v floats, then zeros up to a multiple of 16), the
+// `count` tokens of `drawn` left out (no mass, and not in the max); returns their total in
+// double. A row without a finite logit (left) has no mass; +inf logits share all of it.
+double row_masses(const float* x, int64_t v, float* e, const int32_t* drawn = nullptr,
+                  int64_t count = 0);
 
 struct DrawsArgs {
   const float* x;
@@ -1426,25 +1433,39 @@ struct DrawsArgs {
 };
 
 void draw_row(const DrawsArgs& a, int64_t r) {
+  const float* x = a.x + r * a.v;
   int32_t* out = a.out + r * a.draws;
   const int64_t blocks = (a.v + kVocabBlock - 1) / kVocabBlock;
   thread_local std::vector<float> e;
   thread_local std::vector<double> sums;
   e.resize(blocks * kVocabBlock);
   sums.resize(blocks);
-  if (!(row_masses(a.x + r * a.v, a.v, e.data()) > 0)) {
-    std::fill_n(out, a.draws, 0);
-    return;
-  }
-  for (int64_t b = 0; b < blocks; ++b) sums[b] = block_sum(e.data() + b * kVocabBlock);
-  for (int64_t j = 0; j < a.draws; ++j) {
+  const auto total_of = [&] {
     double total = 0;
     for (int64_t b = 0; b < blocks; ++b) total += sums[b];
+    return total;
+  };
+  // The masses of the tokens not drawn yet, relative to their own max (`count` drawn).
+  const auto refill = [&](int64_t count) {
+    row_masses(x, a.v, e.data(), out, count);
+    for (int64_t b = 0; b < blocks; ++b) sums[b] = block_sum(e.data() + b * kVocabBlock);
+    return total_of();
+  };
+  double total = refill(0);
+  for (int64_t j = 0; j < a.draws; ++j) {
+    // Masses run out before the finite logits do where those lie beyond exp's range below the
+    // max: the rest are weighed again against their own max, as Gumbel-top-D would draw them.
+    if (!(total > 0) && j > 0) total = refill(j);
+    if (!(total > 0)) {  // no finite logit left: token 0, or the last draw again
+      std::fill_n(out + j, a.draws - j, j > 0 ? out[j - 1] : 0);
+      return;
+    }
     const uint32_t* w = a.bits + (r * a.draws + j) * 2;
     const uint64_t u53 = (static_cast<uint64_t>(w[0]) << 21) | (w[1] >> 11);
     const double target = static_cast<double>(u53) * 0x1p-53 * total;
-    // The block where the cumulative mass passes the target, then the token inside it; where
-    // rounding ends the scan short, the last token of positive mass.
+    // The block where the cumulative mass passes the target, then the token inside it. Where
+    // rounding ends a scan short, the last token of positive mass there (in the block, or in
+    // the row).
     double below = 0;
     int64_t pick = -1;
     for (int64_t b = 0; b < blocks && pick < 0; ++b) {
@@ -1456,32 +1477,42 @@ void draw_row(const DrawsArgs& a, int64_t r) {
       for (int i = 0; i < kVocabBlock && pick < 0; ++i) {
         if (eb[i] > 0 && (below += eb[i]) > target) pick = b * kVocabBlock + i;
       }
+      for (int i = kVocabBlock - 1; i >= 0 && pick < 0; --i) {
+        if (eb[i] > 0) pick = b * kVocabBlock + i;
+      }
     }
     if (pick < 0) {
       pick = blocks * kVocabBlock - 1;
       while (pick > 0 && !(e[pick] > 0)) --pick;
     }
-    if (!(e[pick] > 0)) {  // every token drawn already (more draws than tokens of mass)
-      std::fill_n(out + j, a.draws - j, out[j > 0 ? j - 1 : 0]);
-      return;
-    }
     out[j] = static_cast<int32_t>(pick);
     e[pick] = 0.0f;  // without replacement
     sums[pick / kVocabBlock] = block_sum(e.data() + pick / kVocabBlock * kVocabBlock);
+    total = total_of();
   }
 }
 
-// Row r's masses into e (V floats, then zeros up to a multiple of 16); their total in double.
-double row_masses(const float* x, int64_t v, float* e) {
+double row_masses(const float* x, int64_t v, float* e, const int32_t* drawn, int64_t count) {
+  const float* src = x;
+  if (count > 0) {  // the tokens drawn already get no mass (a copy of the row with them at -inf)
+    thread_local std::vector<float> rest;
+    rest.assign(x, x + v);
+    for (int64_t k = 0; k < count; ++k) rest[drawn[k]] = -std::numeric_limits<float>::infinity();
+    src = rest.data();
+  }
   const VocabOps ops = vocab_ops();
-  const float top = ops.row_max(x, v);
+  const float top = ops.row_max(src, v);
   const int64_t blocks = (v + kVocabBlock - 1) / kVocabBlock;
   std::fill(e + v, e + blocks * kVocabBlock, 0.0f);
   if (!(top > -std::numeric_limits<float>::infinity())) {
     std::fill_n(e, v, 0.0f);
     return 0;
   }
-  ops.masses(x, v, top, e);
+  if (top == std::numeric_limits<float>::infinity()) {  // +inf logits share all the mass
+    for (int64_t i = 0; i < v; ++i) e[i] = src[i] == top ? 1.0f : 0.0f;
+  } else {
+    ops.masses(src, v, top, e);
+  }
   double total = 0;
   for (int64_t b = 0; b < blocks; ++b) total += block_sum(e + b * kVocabBlock);
   return total;
