@@ -1420,10 +1420,11 @@ inline double block_sum(const float* e) {
 }
 
 // Row x's masses exp(x - max x) into e (v floats, then zeros up to a multiple of 16), the
-// `count` tokens of `drawn` left out (no mass, and not in the max); returns their total in
-// double. A row without a finite logit (left) has no mass; +inf logits share all of it.
-double row_masses(const float* x, int64_t v, float* e, const int32_t* drawn = nullptr,
-                  int64_t count = 0);
+// `count` tokens of `drawn` left out (no mass, and not in the max), each block's sum into
+// `sums` (when given); returns their total in double. A row without a finite logit (left) has
+// no mass; +inf logits share all of it.
+double row_masses(const float* x, int64_t v, float* e, double* sums = nullptr,
+                  const int32_t* drawn = nullptr, int64_t count = 0);
 
 struct DrawsArgs {
   const float* x;
@@ -1447,9 +1448,7 @@ void draw_row(const DrawsArgs& a, int64_t r) {
   };
   // The masses of the tokens not drawn yet, relative to their own max (`count` drawn).
   const auto refill = [&](int64_t count) {
-    row_masses(x, a.v, e.data(), out, count);
-    for (int64_t b = 0; b < blocks; ++b) sums[b] = block_sum(e.data() + b * kVocabBlock);
-    return total_of();
+    return row_masses(x, a.v, e.data(), sums.data(), out, count);
   };
   double total = refill(0);
   for (int64_t j = 0; j < a.draws; ++j) {
@@ -1492,7 +1491,8 @@ void draw_row(const DrawsArgs& a, int64_t r) {
   }
 }
 
-double row_masses(const float* x, int64_t v, float* e, const int32_t* drawn, int64_t count) {
+double row_masses(const float* x, int64_t v, float* e, double* sums, const int32_t* drawn,
+                  int64_t count) {
   const float* src = x;
   if (count > 0) {  // the tokens drawn already get no mass (a copy of the row with them at -inf)
     thread_local std::vector<float> rest;
@@ -1514,7 +1514,11 @@ double row_masses(const float* x, int64_t v, float* e, const int32_t* drawn, int
     ops.masses(src, v, top, e);
   }
   double total = 0;
-  for (int64_t b = 0; b < blocks; ++b) total += block_sum(e + b * kVocabBlock);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const double sum = block_sum(e + b * kVocabBlock);
+    if (sums != nullptr) sums[b] = sum;
+    total += sum;
+  }
   return total;
 }
 
@@ -1548,15 +1552,21 @@ bool same_lead(const A& a, const B& b, size_t rank) {
   return true;
 }
 
+// fn(args, r) for every row r, rows shared by the pool's threads.
+template <typename Args, void (*fn)(const Args&, int64_t)>
+void each_row(const Args& args, int64_t rows) {
+  auto one = [](const void* c, int64_t r) { fn(*static_cast<const Args*>(c), r); };
+  pool().run({one, &args, rows});
+}
+
 ffi::Error VocabSoftmaxImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> out) {
   const auto xd = x.dimensions(), od = out->dimensions();
   if (xd.size() < 1 || od.size() != xd.size() || !same_lead(xd, od, xd.size())) {
     return ffi::Error::InvalidArgument("vocab_softmax: x [..., V], out of its shape");
   }
   const size_t lead = xd.size() - 1;
-  SoftmaxArgs a{x.typed_data(), out->typed_data(), xd[lead]};
-  auto one = [](const void* c, int64_t r) { softmax_row(*static_cast<const SoftmaxArgs*>(c), r); };
-  pool().run({one, &a, leading(xd, lead)});
+  each_row<SoftmaxArgs, softmax_row>({x.typed_data(), out->typed_data(), xd[lead]},
+                                     leading(xd, lead));
   return ffi::Error::Success();
 }
 
@@ -1567,9 +1577,8 @@ ffi::Error VocabArgmaxImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> 
     return ffi::Error::InvalidArgument("vocab_argmax: x [..., V] with V >= 1, out [...]");
   }
   const size_t lead = xd.size() - 1;
-  ArgmaxArgs a{x.typed_data(), out->typed_data(), xd[lead]};
-  auto one = [](const void* c, int64_t r) { argmax_row(*static_cast<const ArgmaxArgs*>(c), r); };
-  pool().run({one, &a, leading(xd, lead)});
+  each_row<ArgmaxArgs, argmax_row>({x.typed_data(), out->typed_data(), xd[lead]},
+                                   leading(xd, lead));
   return ffi::Error::Success();
 }
 
@@ -1582,9 +1591,9 @@ ffi::Error VocabDrawsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U32> bits,
       od[lead] != bd[lead]) {
     return ffi::Error::InvalidArgument("vocab_draws: x [..., V], bits [..., D, 2], out [..., D]");
   }
-  DrawsArgs a{x.typed_data(), bits.typed_data(), out->typed_data(), xd[lead], bd[lead]};
-  auto one = [](const void* c, int64_t r) { draw_row(*static_cast<const DrawsArgs*>(c), r); };
-  pool().run({one, &a, leading(xd, lead)});
+  each_row<DrawsArgs, draw_row>(
+      {x.typed_data(), bits.typed_data(), out->typed_data(), xd[lead], bd[lead]},
+      leading(xd, lead));
   return ffi::Error::Success();
 }
 
