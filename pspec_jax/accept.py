@@ -24,7 +24,8 @@ node are tried in rank order:
   r becomes norm(max(0, r - pi)). Each step is a speculative-sampling step of r with proposal
   pi, so the emitted token follows r, and by induction the node's target distribution.
   Prompt-lookup children have no q: their proposal is the point mass on their token, for which
-  the same step is the deterministic rule above (accept with r(x), then zero r(x)).
+  the same step is the deterministic rule above (accept with r(x), then zero r(x)). On a CPU
+  with the kernels, each level of this walk is one kernel call (`rejection_levels`).
 
 The last accepted node's residual gives the bonus token; tau = accepted + 1.
 """
@@ -34,7 +35,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pspec_jax import sampling
+from pspec_jax import cpu_kernel, sampling
 from pspec_jax.sampling import SamplingConfig, argmax, filtered_logits
 from pspec_jax.tree import TreeArrays
 
@@ -237,7 +238,7 @@ def sampled_walk(
   batch = logits_BMV.shape[0]
   walk_key = jax.random.split(key)[0]  # [1] is the bonus draw's (`bonus_noise`)
   uniform_BPC = jax.random.uniform(walk_key, (batch, max_depth, tree.children.shape[-1]))
-  path_BP1, log_residual_BV = recursive_rejection(
+  args = (
     logits_BMV,
     draft_logq_BGV,
     node_tokens_BM,
@@ -245,9 +246,74 @@ def sampled_walk(
     tree.children,
     tree.depth,
     uniform_BPC,
-    cfg,
   )
+  if sampling.uses_cpu_kernel():
+    if noise_BV is None:
+      noise_BV = bonus_noise(key, logits_BMV[:, 0].shape)
+    return rejection_levels(*args, noise_BV[:, 0], cfg)
+  path_BP1, log_residual_BV = recursive_rejection(*args, cfg)
   return path_BP1, _bonus(key, log_residual_BV, noise_BV)
+
+
+def _kid_tables(children_MC, table_M):
+  """[M] the row of q each node's drafted children were drawn from (0 where none: never read)."""
+  return jnp.max(jnp.where(children_MC >= 0, table_M[children_MC], -1), axis=-1)
+
+
+def rejection_levels(
+  logits_BMV,
+  logq_BGV,
+  node_tokens_BM,
+  node_table_BM,
+  children_BMC,
+  depth_BM,
+  uniform_BPC,
+  bits_B2,
+  cfg,
+):
+  """`recursive_rejection` on the CPU kernels, with the bonus draw's random bits (`noise`):
+  (path_BP1, bonus_B). Each level reached is one kernel call (`cpu_kernel.rejection`) that tries
+  the node's children and, where it accepts none, draws the bonus token from what is left of
+  the residual; the residual never leaves the kernel. The same walk and law as
+  `recursive_rejection`'s, whose vocabulary-sized steps cost XLA:CPU about 0.4 ms a round."""
+  max_depth, num_slots = uniform_BPC.shape[1:]
+
+  def walk(logits_MV, logq_GV, tokens_M, table_M, children_MC, depth_M, uniform_PC, bits_2):
+    kid_table_M = _kid_tables(children_MC, table_M)
+
+    def level(carry):
+      depth, node, path, _ = carry
+      kids_C = children_MC[node]
+      kid_C = jnp.maximum(kids_C, 0)
+      slot, bonus = cpu_kernel.rejection(
+        filtered_logits(logits_MV[node], cfg),
+        logq_GV[jnp.maximum(kid_table_M[node], 0)].astype(jnp.float32),
+        jnp.where(kids_C >= 0, tokens_M[kid_C], -1),
+        table_M[kid_C] >= 0,
+        uniform_PC[jnp.minimum(depth, max_depth - 1)] if max_depth else jnp.zeros(num_slots),
+        bits_2,
+      )
+      moved = slot >= 0
+      node = jnp.where(moved, kids_C[jnp.maximum(slot, 0)], node)
+      path = path.at[depth + 1].set(node, mode="drop")
+      return (depth + moved, node, path, bonus), moved
+
+    carry = (jnp.int32(0), jnp.int32(0), jnp.zeros((max_depth + 1,), jnp.int32), jnp.int32(0))
+    # One level more than the tree has: a node at the deepest level has no children, and its
+    # level draws the bonus.
+    depth, node, path, bonus = _levels(level, carry, max_depth + 1)
+    return _filled_path(path, node, depth_M[node]), bonus
+
+  return jax.vmap(walk)(
+    logits_BMV,
+    logq_BGV,
+    node_tokens_BM,
+    node_table_BM,
+    children_BMC,
+    depth_BM,
+    uniform_BPC,
+    bits_B2,
+  )
 
 
 def recursive_rejection(
@@ -264,8 +330,7 @@ def recursive_rejection(
 
   def walk(logits_MV, logq_GV, tokens_M, table_M, children_MC, depth_M, uniform_PC):
     p = lambda node: sampling.softmax(filtered_logits(logits_MV[node], cfg))
-    # The row the drafted children of each node were drawn from (0 where none: never read).
-    kid_table_M = jnp.max(jnp.where(children_MC >= 0, table_M[children_MC], -1), axis=-1)
+    kid_table_M = _kid_tables(children_MC, table_M)
     kid_q = lambda node: jnp.exp(logq_GV[jnp.maximum(kid_table_M[node], 0)].astype(jnp.float32))
 
     def level(carry):

@@ -1,5 +1,7 @@
 """The CPU kernels of decoding: x @ W for W in 64-column panels, a few rows at one row's cost,
-and a layer's attention over the key/value cache in one pass.
+a layer's attention over the key/value cache in one pass, and vocabulary-sized rows (`argmax`,
+`softmax`, `draws`, and `rejection`: a level of speculative sampling's walk) in a few vector
+passes.
 
 Optional XLA FFI custom calls (`csrc/cpu_kernels.cc`) on XLA:CPU (docs/design.md section 7):
 `matmul` for `panels.matmul`'s small-M products, `attention` for a decoding step's or a tree
@@ -61,6 +63,7 @@ __all__ = [
   "matmul",
   "matmuls",
   "platform_dependent",
+  "rejection",
   "softmax",
 ]
 
@@ -71,6 +74,7 @@ _ATTENTION = "pspec_decode_attention"
 _ARGMAX = "pspec_vocab_argmax"
 _DRAWS = "pspec_vocab_draws"
 _SOFTMAX = "pspec_vocab_softmax"
+_REJECTION = "pspec_vocab_rejection"
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-pthread")
 
 
@@ -145,6 +149,7 @@ def _library() -> ctypes.CDLL | None:
   jax.ffi.register_ffi_target(_ARGMAX, jax.ffi.pycapsule(lib.VocabArgmax), platform="cpu")
   jax.ffi.register_ffi_target(_DRAWS, jax.ffi.pycapsule(lib.VocabDraws), platform="cpu")
   jax.ffi.register_ffi_target(_SOFTMAX, jax.ffi.pycapsule(lib.VocabSoftmax), platform="cpu")
+  jax.ffi.register_ffi_target(_REJECTION, jax.ffi.pycapsule(lib.VocabRejection), platform="cpu")
   lib.pspec_panel_matmul_isa.restype = ctypes.c_char_p
   return lib
 
@@ -289,3 +294,39 @@ def softmax(x_XV: jax.Array) -> jax.Array:
   A row without a finite logit is all zeros."""
   x = _vocab(x_XV)
   return _vocab_call(_SOFTMAX, x.shape, jnp.float32)(x)
+
+
+def rejection(x_XV, logq_XV, tokens_XC, from_q_XC, uniform_XC, bits_X2):
+  """One level of recursive rejection sampling (`accept`'s walk) per row: (slot [...], bonus
+  [...]) int32.
+
+  x_XV: the target's filtered logits at the node; logq_XV: the draft log-distribution its
+  drawn children came from; tokens_XC: the children in the order tried (-1: none); from_q_XC:
+  whether each was drawn from q (without replacement), else it is a point mass; uniform_XC: one
+  uniform per child; bits_X2 [..., 2] uint32: the bonus draw's random bits. With r = softmax(x)
+  and pi a child's proposal (q renormalised over the siblings not tried yet, or the point
+  mass), child c is accepted iff u_c * sum(r) * pi(x_c) < r(x_c); on rejection r becomes
+  max(0, r / sum(r) - pi). slot: the accepted child's, else -1; bonus: if none was accepted,
+  a draw from what is left of r (`draws`' inverse CDF with the bits; from softmax(x) if
+  rounding emptied it), else -1. A drawn child whose q mass is used up is not tried."""
+  x, logq = _vocab(x_XV), _vocab(logq_XV)
+  lead, c = x.shape[:-1], tokens_XC.shape[-1:]
+  shapes = (logq.shape, tokens_XC.shape, from_q_XC.shape, uniform_XC.shape, bits_X2.shape)
+  if shapes != (x.shape, lead + c, lead + c, lead + c, lead + (2,)):
+    raise ValueError(
+      f"rejection takes x and logq [..., V], tokens, from_q and uniform [..., C], bits [..., 2];"
+      f" got {x.shape}, {logq.shape}, {tokens_XC.shape}, {from_q_XC.shape}, "
+      f"{uniform_XC.shape}, {bits_X2.shape}"
+    )
+  out = [jax.ShapeDtypeStruct(lead, jnp.int32)] * 2
+  call = jax.ffi.ffi_call(_REJECTION, out, vmap_method="broadcast_all")
+  return tuple(
+    call(
+      x,
+      logq,
+      tokens_XC.astype(jnp.int32),
+      from_q_XC.astype(jnp.int32),
+      uniform_XC.astype(jnp.float32),
+      bits_X2.astype(jnp.uint32),
+    )
+  )

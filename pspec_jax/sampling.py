@@ -27,6 +27,7 @@ __all__ = [
   "noise",
   "select",
   "softmax",
+  "uses_cpu_kernel",
 ]
 
 
@@ -70,7 +71,7 @@ def filtered_logits(logits_BV: jax.Array, cfg: SamplingConfig) -> jax.Array:
   return logits
 
 
-def _kernel() -> bool:
+def uses_cpu_kernel() -> bool:
   """Whether vocabulary rows go to the CPU kernels: decided when tracing, since the two ways
   draw from different random numbers (`noise`)."""
   return jax.default_backend() == "cpu" and cpu_kernel.available()
@@ -80,7 +81,7 @@ def argmax(x: jax.Array) -> jax.Array:
   """jnp.argmax over the last axis (the first index of the maximum), as int32. Rows must hold
   no NaN. Without the kernel, two plain reductions: XLA:CPU's fused index-and-value reduction
   costs 0.2 ms per 49k-token row, this a seventh of it (the kernel a thirtieth)."""
-  if _kernel():
+  if uses_cpu_kernel():
     return cpu_kernel.argmax(x)
   best = jnp.max(x, axis=-1, keepdims=True)
   index = jnp.arange(x.shape[-1], dtype=jnp.int32)
@@ -90,7 +91,7 @@ def argmax(x: jax.Array) -> jax.Array:
 def softmax(x: jax.Array) -> jax.Array:
   """jax.nn.softmax over the last axis of float32 logits (a row of -inf only: zeros with the
   kernel)."""
-  if _kernel():
+  if uses_cpu_kernel():
     return cpu_kernel.softmax(x)
   return jax.nn.softmax(x, axis=-1)
 
@@ -98,7 +99,7 @@ def softmax(x: jax.Array) -> jax.Array:
 def noise(key: jax.Array, shape: tuple[int, ...], num: int = 1) -> jax.Array:
   """The random numbers of `num` draws from each row of logits of `shape` (`draws`): random
   bits [..., num, 2] for the kernel, else Gumbel noise of the logits' shape (num = 1 only)."""
-  if _kernel():
+  if uses_cpu_kernel():
     return jax.random.bits(key, (*shape[:-1], num, 2), jnp.uint32)
   if num != 1:
     raise ValueError("Gumbel noise serves one draw per row")
@@ -109,7 +110,7 @@ def draws(key: jax.Array, logits: jax.Array, num: int) -> jax.Array:
   """`num` draws from softmax over the last axis of `logits`, without replacement, in the order
   drawn: [..., num] int32 (Gumbel-top-k's law; a -inf logit is drawn only once no finite one is
   left: then the kernel repeats its last draw, XLA's path takes -inf tokens)."""
-  if _kernel():
+  if uses_cpu_kernel():
     return cpu_kernel.draws(logits, noise(key, logits.shape, num))
   return jax.lax.top_k(logits + jax.random.gumbel(key, logits.shape, logits.dtype), num)[1]
 
@@ -119,7 +120,7 @@ def categorical(key: jax.Array, logits: jax.Array, drawn_noise: jax.Array | None
   [...] int32, with `noise(key, logits.shape)`, or with `drawn_noise` if drawn already."""
   if drawn_noise is None:
     drawn_noise = noise(key, logits.shape)
-  if _kernel():
+  if uses_cpu_kernel():
     return cpu_kernel.draws(logits, drawn_noise)[..., 0]
   return argmax(logits + drawn_noise)
 

@@ -210,6 +210,15 @@ _CHECK = textwrap.dedent(
         want = int(np.searchsorted(np.cumsum(mass), u * mass.sum(), side="right"))
         assert drawn[r, j] == want, (r, j, drawn[r], want)
         mass[want] = 0
+    # A level of recursive rejection: the walk's equations in float64 (`numpy_rejection`).
+    from tests.cpu_kernel_test import numpy_rejection
+    logq = np.log(rng.dirichlet(np.ones(1001), 3)).astype(np.float32)
+    tokens = np.argsort(-logq, axis=1)[:, :2].astype(np.int32)
+    uniform = rng.random(tokens.shape).astype(np.float32)
+    got = cpu_kernel.rejection(x, logq, tokens, np.ones_like(tokens), uniform, bits[:, 0])
+    for r in range(3):
+      *want, margin = numpy_rejection(x[r], logq[r], tokens[r], [1, 1], uniform[r], bits[r, 0])
+      assert margin < 1e-4 or [int(a[r]) for a in got] == want, (r, want)
   print(cpu_kernel.describe(), "custom call" in f.lower(jnp.asarray(x)).as_text().replace(
       "pspec_panel_matmul", "custom call"))
   """
@@ -525,6 +534,109 @@ def test_draws_at_the_ends_of_the_unit_interval_and_past_the_tokens_with_mass():
   # A row without a finite logit draws token 0 (as jax.random.categorical).
   none = np.full((2, 4), -np.inf, np.float32)
   assert np.asarray(cpu_kernel.draws(none, np.zeros((2, 2, 2), np.uint32))).tolist() == [[0, 0]] * 2
+
+
+def _unit(bits):
+  return ((int(bits[0]) << 21) | (int(bits[1]) >> 11)) * 2.0**-53
+
+
+def numpy_rejection(x, logq, tokens, from_q, uniform, bits):
+  """One level of recursive rejection in float64: (slot, bonus, margin), margin the smallest
+  relative distance of a decision (an acceptance, or the bonus's place in the distribution
+  function) from its threshold, where float32 rounding may decide otherwise."""
+  mass = lambda z: np.exp(z.astype(np.float64) - z.max()) if np.isfinite(z).any() else 0 * z
+  r, q = mass(x), mass(logq)
+  margin = np.inf
+  for c, (t, drawn, u) in enumerate(zip(tokens, from_q, uniform, strict=True)):
+    if t < 0 or (drawn and q[t] == 0):
+      continue
+    pi = q[t] / q.sum() if drawn else 1.0
+    bar, got = u * r.sum() * pi, r[t]
+    margin = min(margin, abs(bar - got) / max(got, 1e-300))
+    if got > 0 and bar < got:
+      return c, -1, margin
+    r = np.maximum(r / r.sum() - (q / q.sum() if drawn else np.eye(len(r))[t]), 0)
+    if drawn:
+      q[t] = 0
+  if not r.sum() > 0:
+    r = mass(x)
+  if not np.sum(r) > 0:
+    return -1, 0, margin
+  cdf = np.cumsum(r) / r.sum()
+  bonus = int(np.searchsorted(cdf, _unit(bits), side="right"))
+  gaps = np.abs(cdf - _unit(bits))
+  return -1, bonus, min(margin, gaps.min() / max(r[bonus] / r.sum(), 1e-300))
+
+
+@pytest.mark.parametrize("vocab", [7, 33, 1000])
+def test_a_rejection_level_is_numpy_s(vocab):
+  """`cpu_kernel.rejection` against the walk's equations in float64, draw by draw: children drawn
+  from q and point masses, in every order, on rows with -inf logits; decisions within rounding
+  of their threshold are left out (at most a few)."""
+  rng = np.random.default_rng(vocab)
+  rows, children = 400, 3
+  x = _logits(rng, (rows, vocab))
+  logq = np.log(rng.dirichlet(np.ones(vocab) * 0.5, rows)).astype(np.float32)
+  # Children: q's likeliest tokens (so drafts are often accepted), random ones, or none.
+  tokens = np.argsort(-logq, axis=1)[:, :children].astype(np.int32)
+  tokens = np.where(rng.random(tokens.shape) < 0.3, rng.integers(0, vocab, tokens.shape), tokens)
+  tokens[rng.random(tokens.shape) < 0.15] = -1
+  from_q = (rng.random(tokens.shape) < 0.7).astype(np.int32)
+  uniform = rng.random(tokens.shape).astype(np.float32)
+  bits = rng.integers(0, 2**32, (rows, 2), dtype=np.uint64).astype(np.uint32)
+  slot, bonus = map(
+    np.asarray, jax.jit(cpu_kernel.rejection)(x, logq, tokens, from_q, uniform, bits)
+  )
+  assert slot.shape == bonus.shape == (rows,) and slot.dtype == bonus.dtype == np.int32
+  compared = 0
+  outcomes = set()
+  for i in range(rows):
+    want_slot, want_bonus, margin = numpy_rejection(
+      x[i], logq[i], tokens[i], from_q[i], uniform[i], bits[i]
+    )
+    if margin < 1e-4:
+      continue
+    compared += 1
+    assert (slot[i], bonus[i]) == (want_slot, want_bonus), (i, tokens[i], from_q[i])
+    outcomes.add("accepted" if want_slot >= 0 else "bonus")
+  assert compared > rows * 0.9 and outcomes == {"accepted", "bonus"}
+
+
+def test_a_rejection_level_at_its_edges():
+  x = np.array([[0.0, 1.0, -np.inf, 2.0]], np.float32)
+  logq = np.array([[np.log(0.5), np.log(0.5), -np.inf, -np.inf]], np.float32)
+  zero, one = np.zeros((1, 2), np.uint32), np.full((1, 2), 0xFFFFFFFF, np.uint32)
+  level = lambda tokens, from_q, u, bits: tuple(
+    int(a[0])
+    for a in cpu_kernel.rejection(
+      x, logq, np.asarray([tokens], np.int32), np.asarray([from_q], np.int32),
+      np.asarray([u], np.float32), bits,
+    )
+  )  # fmt: skip
+  # No child: the bonus is drawn from softmax(x) (u = 0: the first token of mass; u -> 1: the
+  # last), never a -inf token.
+  assert level([-1], [1], [0.0], zero) == (-1, 0) and level([-1], [1], [0.0], one) == (-1, 3)
+  # A drawn child of no q mass is not tried; a point mass is, with probability r(x) / sum(r).
+  assert level([3], [1], [0.0], one) == (-1, 3)
+  assert level([3], [0], [0.0], one) == (0, -1)
+  # A rejected point mass leaves the residual without it (u -> 1: its last token, 1); a drawn
+  # child rejected leaves max(0, r - pi), here r = (0.09, 0.24, 0, 0.67) less (0.5, 0.5, 0, 0):
+  # token 3 alone.
+  assert level([3], [0], [1.0 - 2**-24], one) == (-1, 1)
+  assert level([0], [1], [1.0 - 2**-24], zero) == (-1, 3)
+  # A row without a finite logit: token 0, as jax.random.categorical.
+  none = np.full((1, 4), -np.inf, np.float32)
+  level = lambda *a: tuple(int(b[0]) for b in cpu_kernel.rejection(none, logq, *a))
+  assert level(
+    np.full((1, 1), 2, np.int32), np.zeros((1, 1), np.int32), np.zeros((1, 1)), zero
+  ) == (
+    -1,
+    0,
+  )
+  with pytest.raises(ValueError, match="rejection takes"):
+    cpu_kernel.rejection(
+      x, logq, np.zeros((1, 2), np.int32), np.zeros((1, 1)), np.zeros((1, 1)), zero
+    )
 
 
 def test_vocabulary_rows_are_one_clear_error_when_misshapen():

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from pspec_jax import cpu_kernel, decode, llama, sampling, testing
+from pspec_jax import accept, cpu_kernel, decode, llama, sampling, testing, tree_specs
+from pspec_jax import tree as tree_lib
 from pspec_jax.sampling import SamplingConfig, filtered_logits, select
 
 # The shared tiny target with a wider vocabulary (sampled sequences differ from seed to seed)
@@ -199,6 +200,16 @@ def test_vocabulary_rows_take_the_cpu_kernels_where_they_are_built():
     "pspec_vocab_argmax": lambda: sampling.argmax(x),
     "pspec_vocab_softmax": lambda: sampling.softmax(x),
     "pspec_vocab_draws": lambda: (sampling.categorical(key, x), sampling.draws(key, x, 3)),
+    "pspec_vocab_rejection": lambda: accept.sampled_walk(
+      x[None],
+      jnp.zeros((1, 2), jnp.int32),
+      tree_lib.batched(tree_specs.parse("paths:0", 1), 1),
+      jnp.asarray([[-1, 0]]),
+      x[None, :1],
+      1,
+      key,
+      SamplingConfig(temperature=1.0),
+    ),  # fmt: skip
   }
   for target, fn in calls.items():
     assert target in jax.jit(fn).lower().as_text(), target

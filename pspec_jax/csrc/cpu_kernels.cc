@@ -1317,6 +1317,17 @@ ffi::Error DecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_
 //   jax.random.categorical does; past the finite logits the last draw repeats.
 // VocabSoftmax: x [R, V] float32 -> [R, V] float32, softmax(x_r): the same masses over their
 //   sum (in double). A row without a finite logit is all zeros; +inf logits share the mass.
+// VocabRejection: one level of recursive rejection sampling (pspec_jax.accept): x [R, V] the
+//   target's filtered logits at a node, logq [R, V] the draft log-distribution its drawn
+//   children came from, tokens [R, C] int32 the children in the order tried (-1: no child),
+//   from_q [R, C] int32 (1: drawn from q without replacement; 0: a point mass), uniform [R, C]
+//   float32, bits [R, 2] uint32 -> slot [R] int32, bonus [R] int32. With r = softmax(x) and
+//   pi the proposal of a child x_c (q renormalised over the siblings not tried yet, or the
+//   point mass on x_c), child c is accepted iff u_c * sum(r) * pi(x_c) < r(x_c); on rejection r
+//   becomes max(0, r / sum(r) - pi). slot is the accepted child's, or -1 if none; then bonus is
+//   a draw from r (from softmax(x) if rounding emptied it) with the bits, as VocabDraws draws,
+//   else -1. A drawn child of no q mass left is not tried. r and q are the same masses as
+//   VocabDraws', their sums in double.
 
 constexpr int64_t kVocabBlock = 16;  // masses per partial sum
 
@@ -1426,6 +1437,36 @@ inline double block_sum(const float* e) {
 double row_masses(const float* x, int64_t v, float* e, double* sums = nullptr,
                   const int32_t* drawn = nullptr, int64_t count = 0);
 
+// u in [0, 1) from the 64 random bits of draw j (53 used).
+inline double unit(const uint32_t* bits, int64_t j) {
+  const uint32_t* w = bits + j * 2;
+  const uint64_t u53 = (static_cast<uint64_t>(w[0]) << 21) | (w[1] >> 11);
+  return static_cast<double>(u53) * 0x1p-53;
+}
+
+// The token where the cumulative mass of e (`blocks` blocks, their sums in `sums`) passes
+// `target` (below their total): the block first, then the token inside it. Where rounding ends a
+// scan short, the last token of positive mass there (in the block, or in the row).
+int64_t inverse_cdf(const float* e, const double* sums, int64_t blocks, double target) {
+  double below = 0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (below + sums[b] <= target) {
+      below += sums[b];
+      continue;
+    }
+    const float* eb = e + b * kVocabBlock;
+    for (int i = 0; i < kVocabBlock; ++i) {
+      if (eb[i] > 0 && (below += eb[i]) > target) return b * kVocabBlock + i;
+    }
+    for (int i = kVocabBlock - 1; i >= 0; --i) {
+      if (eb[i] > 0) return b * kVocabBlock + i;
+    }
+  }
+  int64_t pick = blocks * kVocabBlock - 1;
+  while (pick > 0 && !(e[pick] > 0)) --pick;
+  return pick;
+}
+
 struct DrawsArgs {
   const float* x;
   const uint32_t* bits;
@@ -1459,31 +1500,8 @@ void draw_row(const DrawsArgs& a, int64_t r) {
       std::fill_n(out + j, a.draws - j, j > 0 ? out[j - 1] : 0);
       return;
     }
-    const uint32_t* w = a.bits + (r * a.draws + j) * 2;
-    const uint64_t u53 = (static_cast<uint64_t>(w[0]) << 21) | (w[1] >> 11);
-    const double target = static_cast<double>(u53) * 0x1p-53 * total;
-    // The block where the cumulative mass passes the target, then the token inside it. Where
-    // rounding ends a scan short, the last token of positive mass there (in the block, or in
-    // the row).
-    double below = 0;
-    int64_t pick = -1;
-    for (int64_t b = 0; b < blocks && pick < 0; ++b) {
-      if (below + sums[b] <= target) {
-        below += sums[b];
-        continue;
-      }
-      const float* eb = e.data() + b * kVocabBlock;
-      for (int i = 0; i < kVocabBlock && pick < 0; ++i) {
-        if (eb[i] > 0 && (below += eb[i]) > target) pick = b * kVocabBlock + i;
-      }
-      for (int i = kVocabBlock - 1; i >= 0 && pick < 0; --i) {
-        if (eb[i] > 0) pick = b * kVocabBlock + i;
-      }
-    }
-    if (pick < 0) {
-      pick = blocks * kVocabBlock - 1;
-      while (pick > 0 && !(e[pick] > 0)) --pick;
-    }
+    const double target = unit(a.bits, r * a.draws + j) * total;
+    const int64_t pick = inverse_cdf(e.data(), sums.data(), blocks, target);
     out[j] = static_cast<int32_t>(pick);
     e[pick] = 0.0f;  // without replacement
     sums[pick / kVocabBlock] = block_sum(e.data() + pick / kVocabBlock * kVocabBlock);
@@ -1535,6 +1553,79 @@ void softmax_row(const SoftmaxArgs& a, int64_t r) {
   const float scale = total > 0 ? static_cast<float>(1.0 / total) : 0.0f;
   float* out = a.out + r * a.v;
   for (int64_t i = 0; i < a.v; ++i) out[i] = e[i] * scale;
+}
+
+struct RejectionArgs {
+  const float *x, *logq;
+  const int32_t *tokens, *from_q;
+  const float* uniform;
+  const uint32_t* bits;
+  int32_t *slot, *bonus;
+  int64_t v, children;
+};
+
+// Block b's sum of e again, and the total of every block's (after e changed in block b).
+double resum(const float* e, double* sums, int64_t blocks, int64_t b) {
+  sums[b] = block_sum(e + b * kVocabBlock);
+  double total = 0;
+  for (int64_t i = 0; i < blocks; ++i) total += sums[i];
+  return total;
+}
+
+void rejection_row(const RejectionArgs& a, int64_t row) {
+  const int64_t v = a.v, blocks = (v + kVocabBlock - 1) / kVocabBlock;
+  const float* x = a.x + row * v;
+  const int32_t* tokens = a.tokens + row * a.children;
+  const int32_t* from_q = a.from_q + row * a.children;
+  const float* uniform = a.uniform + row * a.children;
+  thread_local std::vector<float> r, q;
+  thread_local std::vector<double> r_sums, q_sums;
+  r.resize(blocks * kVocabBlock);
+  r_sums.resize(blocks);
+  double r_mass = row_masses(x, v, r.data(), r_sums.data());
+  double q_mass = 0;
+  bool drawn = false;
+  for (int64_t c = 0; c < a.children; ++c) drawn |= tokens[c] >= 0 && from_q[c] != 0;
+  if (drawn) {
+    q.resize(blocks * kVocabBlock);
+    q_sums.resize(blocks);
+    q_mass = row_masses(a.logq + row * v, v, q.data(), q_sums.data());
+  }
+  a.slot[row] = -1;
+  a.bonus[row] = -1;
+  for (int64_t c = 0; c < a.children; ++c) {
+    const int32_t t = tokens[c];
+    if (t < 0 || t >= v) continue;
+    const bool point = from_q[c] == 0;
+    if (!point && !(q[t] > 0)) continue;  // q's support ran out before the siblings did
+    const double pi = point ? 1.0 : q[t] / q_mass;
+    if (r[t] > 0 && static_cast<double>(uniform[c]) * r_mass * pi < r[t]) {
+      a.slot[row] = static_cast<int32_t>(c);
+      return;
+    }
+    if (point) {  // max(0, r / sum(r) - point mass): r without x_c (its scale is free)
+      r[t] = 0.0f;
+      r_mass = resum(r.data(), r_sums.data(), blocks, t / kVocabBlock);
+      continue;
+    }
+    // r_mass is 0 only where rounding emptied r (q_mass > 0: a drawn child of q mass was tried).
+    const float r_scale = r_mass > 0 ? static_cast<float>(1.0 / r_mass) : 1.0f;
+    const float q_scale = static_cast<float>(1.0 / q_mass);
+    float* rp = r.data();
+    const float* qp = q.data();
+    for (int64_t i = 0; i < v; ++i) rp[i] = std::max(rp[i] * r_scale - qp[i] * q_scale, 0.0f);
+    r_mass = 0;
+    for (int64_t b = 0; b < blocks; ++b) r_mass += (r_sums[b] = block_sum(rp + b * kVocabBlock));
+    q[t] = 0.0f;
+    q_mass = resum(q.data(), q_sums.data(), blocks, t / kVocabBlock);
+  }
+  if (!(r_mass > 0)) r_mass = row_masses(x, v, r.data(), r_sums.data());
+  if (!(r_mass > 0)) {  // no finite logit: token 0, as jax.random.categorical
+    a.bonus[row] = 0;
+    return;
+  }
+  a.bonus[row] = static_cast<int32_t>(
+      inverse_cdf(r.data(), r_sums.data(), blocks, unit(a.bits, row) * r_mass));
 }
 
 // Rows of a vocabulary-sized last axis: the product of the leading dimensions (vmap adds them).
@@ -1597,6 +1688,34 @@ ffi::Error VocabDrawsImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U32> bits,
   return ffi::Error::Success();
 }
 
+ffi::Error VocabRejectionImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> logq,
+                              ffi::Buffer<ffi::S32> tokens, ffi::Buffer<ffi::S32> from_q,
+                              ffi::Buffer<ffi::F32> uniform, ffi::Buffer<ffi::U32> bits,
+                              ffi::ResultBuffer<ffi::S32> slot, ffi::ResultBuffer<ffi::S32> bonus) {
+  const auto xd = x.dimensions(), td = tokens.dimensions(), bd = bits.dimensions();
+  const size_t lead = xd.size() - 1;
+  const bool ok = xd.size() >= 1 && xd[lead] >= 1 && logq.dimensions().size() == xd.size() &&
+                  same_lead(xd, logq.dimensions(), xd.size()) && td.size() == xd.size() &&
+                  same_lead(xd, td, lead) && from_q.dimensions().size() == td.size() &&
+                  same_lead(td, from_q.dimensions(), td.size()) &&
+                  uniform.dimensions().size() == td.size() &&
+                  same_lead(td, uniform.dimensions(), td.size()) && bd.size() == xd.size() &&
+                  same_lead(xd, bd, lead) && bd[lead] == 2 &&
+                  slot->dimensions().size() == lead && same_lead(xd, slot->dimensions(), lead) &&
+                  bonus->dimensions().size() == lead && same_lead(xd, bonus->dimensions(), lead);
+  if (!ok) {
+    return ffi::Error::InvalidArgument(
+        "vocab_rejection: x and logq [..., V], tokens, from_q and uniform [..., C], bits "
+        "[..., 2], slot and bonus [...]");
+  }
+  each_row<RejectionArgs, rejection_row>(
+      {x.typed_data(), logq.typed_data(), tokens.typed_data(), from_q.typed_data(),
+       uniform.typed_data(), bits.typed_data(), slot->typed_data(), bonus->typed_data(), xd[lead],
+       td[lead]},
+      leading(xd, lead));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PanelMatmul, PanelMatmulImpl,
@@ -1627,6 +1746,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(VocabDraws, VocabDrawsImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(VocabRejection, VocabRejectionImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
 
 // What the library reports of the kernel it loaded (pspec_jax.cpu_kernel.describe).
