@@ -2,6 +2,7 @@
 reference, sibling draws without replacement, and whole decodes against the target's exact
 distribution (chi-square)."""
 
+import functools
 import itertools
 
 import jax
@@ -75,72 +76,35 @@ def test_reference_recursive_rejection_gives_the_target_exactly(k, lookup, seed)
 GRID = 2048  # uniforms per probed step: acceptance probabilities to within 1 / GRID
 
 
-@jax.jit
-def implementation_output(p_V, q_V, tokens_S, drawn_S):
-  """The exact output distribution of `accept.recursive_rejection` at a root whose children are
-  tokens_S (drawn from q where drawn_S, else point masses), tried in order.
+@functools.partial(jax.jit, static_argnames="kernel")
+def implementation_output(p_V, q_V, tokens_S, drawn_S, kernel=False):
+  """The exact output distribution of `accept.recursive_rejection` (or, `kernel`, of
+  `accept.rejection_levels`: the CPU kernels' walk) at a root whose children are tokens_S
+  (drawn from q where drawn_S, else point masses), tried in order.
 
   Step s accepts iff its uniform is below a threshold a_s that depends on nothing random (every
   earlier sibling was rejected): a_s is read off a grid of uniforms with the earlier ones at
   their largest value (rejected unless a_j = 1), and the residual after every rejection from
-  the row that rejects all.
+  the rows that reject all: its log for `recursive_rejection`; for the kernels' walk, the bonus
+  tokens drawn there with a grid of random bits (a draw inverts the residual's distribution
+  function at u, so GRID evenly spaced u give each token its mass to within 1 / GRID).
   """
   num = tokens_S.shape[0]
   m = num + 1
-  probs = jnp.broadcast_to(p_V, (m, p_V.shape[0]))
   tokens = jnp.concatenate([jnp.zeros(1, jnp.int32), tokens_S])
   table = jnp.concatenate([jnp.full(1, -1), jnp.where(drawn_S, 0, -1)]).astype(jnp.int32)
   children = jnp.full((m, num), -1, jnp.int32).at[0].set(jnp.arange(1, m))
   largest = 1 - 2.0**-24
   grid = (jnp.arange(GRID) + 0.5) / GRID
-  # Row (s, g): steps before s at `largest`, step s at grid[g], later steps at `largest`.
-  step = jnp.arange(num)[:, None, None]
-  slot = jnp.arange(num)[None, None, :]
-  uniform = jnp.where(slot == step, grid[None, :, None], largest)  # [S, GRID, S]
-  uniform = jnp.concatenate([uniform.reshape(-1, num), jnp.full((1, num), largest)])
-  rows = uniform.shape[0]
-  path, log_residual = accept.recursive_rejection(
-    jnp.broadcast_to(jnp.log(probs), (rows, *probs.shape)),
-    jnp.broadcast_to(jnp.log(q_V), (rows, 1, q_V.shape[0])),
-    jnp.broadcast_to(tokens, (rows, m)),
-    jnp.broadcast_to(table, (rows, m)),
-    jnp.broadcast_to(children, (rows, m, num)),
-    jnp.broadcast_to(jnp.minimum(jnp.arange(m), 1), (rows, m)),
-    uniform[:, None, :],
-    SamplingConfig(temperature=1.0),
-  )
-  accepted_at = path[:-1, 1].reshape(num, GRID)
-  threshold = (accepted_at == jnp.arange(1, m)[:, None]).mean(axis=1)  # a_s
-  reach = jnp.cumprod(jnp.concatenate([jnp.ones(1), 1 - threshold]))
-  out = jnp.zeros_like(p_V).at[tokens_S].add(reach[:-1] * threshold)
-  residual = jax.nn.softmax(log_residual[-1])
-  # The all-rejecting row really rejected all, unless an a_s is 1 (then reach[-1] is 0).
-  return out + reach[-1] * residual, path[-1, 1]
-
-
-@jax.jit
-def kernel_output(p_V, q_V, tokens_S, drawn_S):
-  """The exact output distribution of `accept.rejection_levels` (the CPU kernels' walk) at a
-  root whose children are tokens_S, read as `implementation_output` reads it; the residual
-  from the bonus tokens that the all-rejecting row draws with a grid of random bits (the draw
-  inverts the residual's distribution function at u: GRID evenly spaced u give each token
-  its mass to within 1 / GRID)."""
-  num = tokens_S.shape[0]
-  m = num + 1
-  tokens = jnp.concatenate([jnp.zeros(1, jnp.int32), tokens_S])
-  table = jnp.concatenate([jnp.full(1, -1), jnp.where(drawn_S, 0, -1)]).astype(jnp.int32)
-  children = jnp.full((m, num), -1, jnp.int32).at[0].set(jnp.arange(1, m))
-  largest = 1 - 2.0**-24
-  grid = (jnp.arange(GRID) + 0.5) / GRID
+  # Row (s, g): steps before s at `largest`, step s at grid[g], later steps at `largest`; then
+  # the rows that reject all.
   step = jnp.arange(num)[:, None, None]
   slot = jnp.arange(num)[None, None, :]
   uniform = jnp.where(slot == step, grid[None, :, None], largest).reshape(-1, num)
-  uniform = jnp.concatenate([uniform, jnp.full((GRID, num), largest)])
-  # u = bits[0] / 2**32 (the low word's bits are below the grid's).
-  high = jnp.floor(grid * 2.0**32).astype(jnp.uint32)
-  bits = jnp.zeros((uniform.shape[0], 2), jnp.uint32).at[-GRID:, 0].set(high)
+  last = GRID if kernel else 1
+  uniform = jnp.concatenate([uniform, jnp.full((last, num), largest)])
   rows = uniform.shape[0]
-  path, bonus = accept.rejection_levels(
+  arrays = (
     jnp.broadcast_to(jnp.log(p_V), (rows, m, p_V.shape[0])),
     jnp.broadcast_to(jnp.log(q_V), (rows, 1, q_V.shape[0])),
     jnp.broadcast_to(tokens, (rows, m)),
@@ -148,22 +112,29 @@ def kernel_output(p_V, q_V, tokens_S, drawn_S):
     jnp.broadcast_to(children, (rows, m, num)),
     jnp.broadcast_to(jnp.minimum(jnp.arange(m), 1), (rows, m)),
     uniform[:, None, :],
-    bits,
-    SamplingConfig(temperature=1.0),
   )
+  cfg = SamplingConfig(temperature=1.0)
+  if kernel:
+    # u = bits[0] / 2**32 (the low word's bits are below the grid's).
+    high = jnp.floor(grid * 2.0**32).astype(jnp.uint32)
+    bits = jnp.zeros((rows, 2), jnp.uint32).at[-GRID:, 0].set(high)
+    path, bonus = accept.rejection_levels(*arrays, bits, cfg)
+    rejected_all = path[-GRID:, 1] == 0
+    residual = jnp.zeros_like(p_V).at[bonus[-GRID:]].add(rejected_all / GRID)
+  else:
+    path, log_residual = accept.recursive_rejection(*arrays, cfg)
+    residual = jax.nn.softmax(log_residual[-1])
   accepted_at = path[: num * GRID, 1].reshape(num, GRID)
-  threshold = (accepted_at == jnp.arange(1, m)[:, None]).mean(axis=1)
+  threshold = (accepted_at == jnp.arange(1, m)[:, None]).mean(axis=1)  # a_s
   reach = jnp.cumprod(jnp.concatenate([jnp.ones(1), 1 - threshold]))
   out = jnp.zeros_like(p_V).at[tokens_S].add(reach[:-1] * threshold)
-  rejected_all = path[num * GRID :, 1] == 0
-  residual = jnp.zeros_like(p_V).at[bonus[num * GRID :]].add(rejected_all / GRID)
+  # The all-rejecting rows really rejected all, unless an a_s is 1 (then reach[-1] is 0).
   return out + reach[-1] * residual, path[-1, 1]
 
 
 @pytest.mark.parametrize("k,lookup,seed", CASES)
-@pytest.mark.parametrize("walk", ["xla", "cpu_kernel"])
+@pytest.mark.parametrize("walk", ["xla", "kernel"])
 def test_recursive_rejection_matches_the_exhaustive_reference(k, lookup, seed, walk):
-  output = implementation_output if walk == "xla" else kernel_output
   p, q = random_pair(np.random.default_rng(seed), 5)
   total = np.zeros_like(p)
   for draw, prob in ordered_draws(q, k):
@@ -171,7 +142,9 @@ def test_recursive_rejection_matches_the_exhaustive_reference(k, lookup, seed, w
     want = reference_output(p, q, siblings)
     tokens = jnp.asarray([x for x, _ in siblings], jnp.int32)
     drawn = jnp.asarray([d for _, d in siblings])
-    got, _ = output(jnp.asarray(p, jnp.float32), jnp.asarray(q, jnp.float32), tokens, drawn)
+    got, _ = implementation_output(
+      jnp.asarray(p, jnp.float32), jnp.asarray(q, jnp.float32), tokens, drawn, walk == "kernel"
+    )
     np.testing.assert_allclose(np.asarray(got), want, atol=3 / GRID, err_msg=str(siblings))
     total += prob * np.asarray(got, np.float64)
   np.testing.assert_allclose(total, p, atol=3 / GRID)
