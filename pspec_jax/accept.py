@@ -287,7 +287,7 @@ def rejection_levels(
       kid_C = jnp.maximum(kids_C, 0)
       slot, bonus = cpu_kernel.rejection(
         filtered_logits(logits_MV[node], cfg),
-        logq_GV[jnp.maximum(kid_table_M[node], 0)].astype(jnp.float32),
+        logq_GV[jnp.maximum(kid_table_M[node], 0)],
         jnp.where(kids_C >= 0, tokens_M[kid_C], -1),
         table_M[kid_C] >= 0,
         uniform_PC[jnp.minimum(depth, max_depth - 1)] if max_depth else jnp.zeros(num_slots),

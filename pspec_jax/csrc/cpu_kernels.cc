@@ -1430,6 +1430,26 @@ inline double block_sum(const float* e) {
   return (a[0] + a[2]) + (a[1] + a[3]);
 }
 
+// Each block's sum of e into `sums` (when given); returns their total, summed in block order.
+inline double block_sums(const float* e, double* sums, int64_t blocks) {
+  double total = 0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const double sum = block_sum(e + b * kVocabBlock);
+    if (sums != nullptr) sums[b] = sum;
+    total += sum;
+  }
+  return total;
+}
+
+// Token t's mass taken out of e: its block summed again; returns the new total of `sums`.
+inline double take_out(float* e, double* sums, int64_t blocks, int64_t t) {
+  e[t] = 0.0f;
+  sums[t / kVocabBlock] = block_sum(e + t / kVocabBlock * kVocabBlock);
+  double total = 0;
+  for (int64_t b = 0; b < blocks; ++b) total += sums[b];
+  return total;
+}
+
 // Row x's masses exp(x - max x) into e (v floats, then zeros up to a multiple of 16), the
 // `count` tokens of `drawn` left out (no mass, and not in the max), each block's sum into
 // `sums` (when given); returns their total in double. A row without a finite logit (left) has
@@ -1482,11 +1502,6 @@ void draw_row(const DrawsArgs& a, int64_t r) {
   thread_local std::vector<double> sums;
   e.resize(blocks * kVocabBlock);
   sums.resize(blocks);
-  const auto total_of = [&] {
-    double total = 0;
-    for (int64_t b = 0; b < blocks; ++b) total += sums[b];
-    return total;
-  };
   // The masses of the tokens not drawn yet, relative to their own max (`count` drawn).
   const auto refill = [&](int64_t count) {
     return row_masses(x, a.v, e.data(), sums.data(), out, count);
@@ -1503,9 +1518,7 @@ void draw_row(const DrawsArgs& a, int64_t r) {
     const double target = unit(a.bits, r * a.draws + j) * total;
     const int64_t pick = inverse_cdf(e.data(), sums.data(), blocks, target);
     out[j] = static_cast<int32_t>(pick);
-    e[pick] = 0.0f;  // without replacement
-    sums[pick / kVocabBlock] = block_sum(e.data() + pick / kVocabBlock * kVocabBlock);
-    total = total_of();
+    total = take_out(e.data(), sums.data(), blocks, pick);  // without replacement
   }
 }
 
@@ -1531,13 +1544,7 @@ double row_masses(const float* x, int64_t v, float* e, double* sums, const int32
   } else {
     ops.masses(src, v, top, e);
   }
-  double total = 0;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const double sum = block_sum(e + b * kVocabBlock);
-    if (sums != nullptr) sums[b] = sum;
-    total += sum;
-  }
-  return total;
+  return block_sums(e, sums, blocks);
 }
 
 struct SoftmaxArgs {
@@ -1563,14 +1570,6 @@ struct RejectionArgs {
   int32_t *slot, *bonus;
   int64_t v, children;
 };
-
-// Block b's sum of e again, and the total of every block's (after e changed in block b).
-double resum(const float* e, double* sums, int64_t blocks, int64_t b) {
-  sums[b] = block_sum(e + b * kVocabBlock);
-  double total = 0;
-  for (int64_t i = 0; i < blocks; ++i) total += sums[i];
-  return total;
-}
 
 void rejection_row(const RejectionArgs& a, int64_t row) {
   const int64_t v = a.v, blocks = (v + kVocabBlock - 1) / kVocabBlock;
@@ -1604,8 +1603,7 @@ void rejection_row(const RejectionArgs& a, int64_t row) {
       return;
     }
     if (point) {  // max(0, r / sum(r) - point mass): r without x_c (its scale is free)
-      r[t] = 0.0f;
-      r_mass = resum(r.data(), r_sums.data(), blocks, t / kVocabBlock);
+      r_mass = take_out(r.data(), r_sums.data(), blocks, t);
       continue;
     }
     // r_mass is 0 only where rounding emptied r (q_mass > 0: a drawn child of q mass was tried).
@@ -1614,10 +1612,8 @@ void rejection_row(const RejectionArgs& a, int64_t row) {
     float* rp = r.data();
     const float* qp = q.data();
     for (int64_t i = 0; i < v; ++i) rp[i] = std::max(rp[i] * r_scale - qp[i] * q_scale, 0.0f);
-    r_mass = 0;
-    for (int64_t b = 0; b < blocks; ++b) r_mass += (r_sums[b] = block_sum(rp + b * kVocabBlock));
-    q[t] = 0.0f;
-    q_mass = resum(q.data(), q_sums.data(), blocks, t / kVocabBlock);
+    r_mass = block_sums(rp, r_sums.data(), blocks);
+    q_mass = take_out(q.data(), q_sums.data(), blocks, t);
   }
   if (!(r_mass > 0)) r_mass = row_masses(x, v, r.data(), r_sums.data());
   if (!(r_mass > 0)) {  // no finite logit: token 0, as jax.random.categorical
