@@ -124,6 +124,18 @@ class Outcome:
   chosen: dict[str, int] | None = None  # an adaptive tree's rounds per candidate
 
 
+def verified_trees(candidates, chosen, chained) -> dict[str, int]:
+  """Rounds per tree an adaptive decode verified, from its rounds per candidate (`chosen`) and
+  those that also verified the candidate's lookup chain (`chained`): a candidate whose chain
+  was left out, or found nowhere, verified its drafted tree alone (the root alone for a bare
+  chain), which counts under that tree's name."""
+  out = {}
+  for cand, n, with_chain in zip(candidates, chosen, chained, strict=True):
+    for tree, rounds in ((dataclasses.replace(cand, lookup=0), n - with_chain), (cand, with_chain)):
+      out[tree.spec] = out.get(tree.spec, 0) + int(rounds)
+  return out
+
+
 class OurMethod:
   """`none`, `pld`, `medusa`, `eagle`, `pspec`: pspec_jax.decode.generate.
 
@@ -144,7 +156,7 @@ class OurMethod:
     chosen = None
     if out.chosen is not None:
       candidates = decode.resolve_tree(self.cfg, self.drafter).candidates
-      chosen = {c.spec: int(n) for c, n in zip(candidates, out.chosen, strict=True)}
+      chosen = verified_trees(candidates, out.chosen, out.chained)
     return Outcome(
       tokens=[np.asarray(out.tokens[b, : out.lengths[b]]).tolist() for b in range(len(batch))],
       rounds=np.asarray(out.rounds).tolist(),

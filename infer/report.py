@@ -139,15 +139,16 @@ def report(results: dict) -> str:
 
 
 def _chosen_table(rows: list[dict]) -> list[str]:
-  """How often each candidate of an adaptive tree was chosen, per setting (share of rounds)."""
+  """How often an adaptive tree verified each of its candidates' trees, per setting (share of
+  rounds; a candidate that left its lookup chain out counts as its drafted tree alone)."""
   adaptive = [r for r in rows if r.get("chosen")]
   if not adaptive:
     return []
   lines = [
     "",
-    "## Adaptive trees: share of rounds per candidate",
+    "## Adaptive trees: share of rounds per tree verified",
     "",
-    "| method | dataset | T | batch | candidate: share of rounds |",
+    "| method | dataset | T | batch | tree: share of rounds |",
     "|---|---|---|---|---|",
   ]
   for r in adaptive:

@@ -92,6 +92,7 @@ class Stats:
   lookup_long: jax.Array  # [B, L]
   drafted_rounds: jax.Array  # [B, 2, Md - 1] float32 rounds that verified each drafted node
   chosen: jax.Array  # [C] int32 rounds verified with each candidate
+  chained: jax.Array  # [C] int32 those of them that also verified its lookup chain
   costs: jax.Array  # [2, C] a round's cost with each candidate, without / with its lookup chain
 
 
@@ -136,6 +137,7 @@ def init_stats(pool: tree_lib.Tree, batch: int, costs: tuple[tuple[float, float]
     lookup_long=lookup,
     drafted_rounds=jnp.zeros_like(drafted),
     chosen=jnp.zeros((len(pool.candidates),), jnp.int32),
+    chained=jnp.zeros((len(pool.candidates),), jnp.int32),
     costs=jnp.asarray(costs, jnp.float32).T,
   )
 
@@ -263,6 +265,7 @@ def observe(
     lookup_long=lookup_long,
     drafted_rounds=drafted_rounds,
     chosen=stats.chosen.at[stats.choice].add(any_active),
+    chained=stats.chained.at[stats.choice].add(jnp.any(with_lookup & active_B).astype(jnp.int32)),
   )
 
 

@@ -64,6 +64,7 @@ class DecodeOutput:
   rounds: jax.Array  # [B] verification rounds (the prefill, which gives token 1, excluded)
   accepted_per_depth: jax.Array  # [B, P] rounds that accepted a draft token at depth d + 1
   chosen: jax.Array | None = None  # [C] rounds verified with each adaptive candidate
+  chained: jax.Array | None = None  # [C] those of them that also verified its lookup chain
 
   @property
   def tau(self) -> jax.Array:
@@ -83,6 +84,7 @@ def finish(plan: Plan, state: DecodeState) -> DecodeOutput:
     rounds=state.rounds,
     accepted_per_depth=state.accepted,
     chosen=None if state.adapt is None else state.adapt.chosen,
+    chained=None if state.adapt is None else state.adapt.chained,
   )
 
 

@@ -42,6 +42,10 @@ def test_adaptive_greedy_equals_plain_greedy(target, kind, tree, rows):
   # One choice per round of the batch, and rounds that drafted did so.
   assert int(spec.chosen.sum()) == int(spec.rounds.max())
   assert spec.chosen[1:].sum() > 0 and (spec.tau > 1).any()
+  # Rounds that verified a chain are some of their candidate's; a candidate without one has none.
+  pool = decode.resolve_tree(cfg, testing.drafter_for(kind, target))
+  has_chain = np.asarray([c.lookup > 0 for c in pool.candidates])
+  assert (spec.chained <= spec.chosen).all() and (spec.chained[~has_chain] == 0).all()
 
 
 @pytest.mark.parametrize("kind", ["pspec", "eagle"])
@@ -123,6 +127,23 @@ def fake_round(stats, hits: bool, active=(True,)):
   return adaptive.observe(
     stats, POOL, reach, path_BP1, jnp.full((batch,), accepted), jnp.asarray(active)
   )
+
+
+def test_rounds_that_verify_a_lookup_chain_are_counted_apart():
+  pool = tree_specs.parse("adaptive:paths:0+lookup:2", 4)
+  stats = adaptive.init_stats(pool, 2, ((1.0, 1.0), (1.2, 1.5))).replace(choice=jnp.int32(1))
+  drafted = jnp.asarray([[True, True, False, False]] * 2)
+  chain_in_0 = drafted.at[0, 2:].set(True)  # sequence 0's tree has its chain, 1's does not
+  path, accepted = jnp.zeros((2, pool.max_depth + 1), jnp.int32), jnp.zeros((2,), jnp.int32)
+  for reach, active, chained in [
+    (drafted, [True, True], 0),  # no sequence found a chain
+    (chain_in_0, [False, True], 0),  # only a finished sequence did
+    (chain_in_0, [True, True], 1),
+  ]:
+    stats = adaptive.observe(stats, pool, reach, path, accepted, jnp.asarray(active))
+    assert stats.chained.tolist()[1] == chained
+    stats = stats.replace(chained=jnp.zeros_like(stats.chained))
+  assert stats.chosen.tolist() == [0, 3]
 
 
 def next_choice(stats, active=(True,)):

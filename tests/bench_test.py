@@ -197,6 +197,13 @@ def test_rows_and_report_count_how_often_each_adaptive_candidate_was_chosen():
   assert lines[-1] == "| pspec | mt_bench | 0.0 | 2 | root alone: 75%, paths:0: 25%, lookup:3: 0% |"
 
 
+def test_adaptive_rounds_count_under_the_tree_they_verified():
+  # A candidate's rounds without its lookup chain verified its drafted tree (or the root) alone.
+  pool = tree_specs.parse("adaptive:paths:0|lookup:3|paths:0+lookup:3", 4)
+  counts = measure.verified_trees(pool.candidates, [3, 4, 6, 5], [0, 0, 2, 1])
+  assert counts == {"paths:": 3 + 4, "lookup:3": 2, "paths:0": 4 + 4, "paths:0+lookup:3": 1}
+
+
 def test_report_and_plots_show_the_main_table_and_the_k_ablation(tmp_path):
   def row(method, k, speedup, tau):
     return dict(
