@@ -56,10 +56,11 @@ from pspec_jax import prompts as prompts_lib
 from pspec_jax import propose as propose_lib
 from pspec_jax import rounds as rounds_lib
 
-# 6: costs from paired turns (`measure.paired_ratio`), 15 of them;
+# 7: a candidate's round without its lookup chain verifies its drafted tree alone (2-6% of a
+# plain round cheaper); 6: costs from paired turns (`measure.paired_ratio`), 15 of them;
 # 5: an adaptive round's bonus noise drawn before its switch (root-alone rounds 4% cheaper at
 # T = 1); 4: whole rounds from one context, against the root alone; 2: summed passes.
-VERSION = 6
+VERSION = 7
 FILE = "round_costs.json"
 # The pinned candidate's cost, and every other option's: only the pinned one is affordable.
 PINNED_IN, PINNED_OUT = 1e-3, 1e9

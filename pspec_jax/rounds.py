@@ -294,8 +294,11 @@ def _run_nodes(target, drafter, state, tree, node_tokens, nodes):
 def _round_adaptive(plan, target, drafter, state) -> tuple[DecodeState, Pairs]:
   """Steps 1-4 of an adaptive round. The chosen candidate is verified and accepted as the fixed
   tree it is, over its own nodes (read from the union's at `adaptive.union_nodes`), in one
-  `lax.switch` branch per candidate; nothing runs at the union's width, so a round costs what
-  the candidate's fixed round costs. The branch returns the accepted path's rows, padded to the
+  `lax.switch` branch per option: each candidate's drafted tree alone, and the candidate with
+  its lookup chain where it has one (a chain left out of the round is then no part of the
+  pass at all: leaving it out inside the pass cost eagle's `paths:0` rounds 2-9% of a plain
+  round). Nothing runs at the union's width, so a round costs about what the option's fixed
+  round costs. The branch returns the accepted path's rows, padded to the
   union's longest path, and the commit writes them outside the switch (a cache passed through a
   branch is copied); the statistics observe what it verified and accepted."""
   pool = plan.tree
@@ -315,17 +318,19 @@ def _round_adaptive(plan, target, drafter, state) -> tuple[DecodeState, Pairs]:
   def pad(x, axis):
     return jnp.pad(x, [(0, width - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)])
 
-  def run(c):
+  def run(c, chain):
     cand = pool.candidates[c]
-    fixed = dataclasses.replace(plan, tree=cand, costs=(), drawn=plan.drawn and cand.depth > 0)
     nodes = nodes_C[c]
     drafted = nodes[: cand.num_nodes]
+    if not chain:  # the drafted tree alone: no lookup part to leave out of the pass
+      cand, nodes = dataclasses.replace(cand, lookup=0), drafted
+    fixed = dataclasses.replace(plan, tree=cand, costs=(), drawn=plan.drawn and cand.depth > 0)
     s = state.replace(
       node_tokens=state.node_tokens[:, drafted], node_logp=state.node_logp[:, drafted]
     )
     if fixed.drawn:
       s = s.replace(draft_logq=state.draft_logq[:, _draw_rows(plan.kind, pool, cand)])
-    verified = verify(fixed, target, drafter, s, lookup)
+    verified = verify(fixed, target, drafter, s, lookup if chain else None)
     accepted = accept_path(fixed, s, verified, noise)
     on = _on_path(verified, accepted)
     on = on.replace(
@@ -337,8 +342,15 @@ def _round_adaptive(plan, target, drafter, state) -> tuple[DecodeState, Pairs]:
     reach = jnp.zeros((batch, pool.num_nodes + pool.lookup), jnp.bool_).at[:, nodes].set(reached)
     return on, pad(jnp.asarray(nodes)[accepted[0]], 1), reach
 
-  branches = [functools.partial(run, c) for c in range(len(pool.candidates))]
-  on, path, reach = jax.lax.switch(state.adapt.choice, branches)
+  # One branch per option: each candidate without its chain, and with it where it has one.
+  num = len(pool.candidates)
+  chained = [c for c, cand in enumerate(pool.candidates) if cand.lookup]
+  options = [(c, False) for c in range(num)] + [(c, True) for c in chained]
+  branch = np.repeat(np.arange(num, dtype=np.int32)[:, None], 2, axis=1)
+  branch[chained, 1] = num + np.arange(len(chained))
+  which = jnp.asarray(branch)[state.adapt.choice, state.adapt.chain.astype(jnp.int32)]
+  branches = [functools.partial(run, c, chain) for c, chain in options]
+  on, path, reach = jax.lax.switch(which, branches)
   stats = adaptive.observe(state.adapt, pool, reach, path, on.num_accepted, ~state.done)
   state, pairs = _write_path(plan, state, on)
   return state.replace(adapt=stats), pairs

@@ -81,6 +81,26 @@ def test_rounds_that_draft_nothing_leave_their_pairs_pending(target, kind):
   assert waited > 0 and drafted_after_waiting > 0
 
 
+def test_a_chain_left_out_is_no_part_of_the_round(target):
+  """Pinned (by its costs) to `paths:0+lookup:3` without its chain, every round verifies the
+  drafted tree alone, though chains are found; pinned with it, rounds verify chains."""
+  tokens, lengths = testing.padded(testing.PROMPTS)
+  drafter = testing.drafter_for("pspec", target)
+  plain = decode.generate(
+    target, tokens, lengths, jax.random.key(0), decode.DecodeConfig(max_new_tokens=30)
+  )
+  out = {}
+  for chain, costs in [(False, ((1e3, 1e3), (1.0, 1e3))), (True, ((1e3, 1e3), (1e3, 1.0)))]:
+    cfg = decode.DecodeConfig(max_new_tokens=30, tree="adaptive:paths:0+lookup:3", costs=costs)
+    out[chain] = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter)
+    assert out[chain].tokens.tolist() == plain.tokens.tolist()
+  assert out[False].chosen.tolist() == [0, int(out[False].rounds.max())]
+  assert out[False].chained.tolist() == [0, 0]
+  assert out[True].chained[1] > 0
+  # Only a chain reaches below depth 1.
+  assert out[False].accepted_per_depth[:, 1:].sum() == 0 < out[True].accepted_per_depth[:, 1:].sum()
+
+
 def test_a_candidate_that_costs_too_much_is_never_chosen(target):
   tokens, lengths = testing.padded(testing.PROMPTS)
   tree = "adaptive:chain|lookup:3"
