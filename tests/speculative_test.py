@@ -493,6 +493,25 @@ def test_a_round_without_a_lookup_match_verifies_the_drafted_tree_alone(target):
   assert np.abs(np.asarray(verified.logits[:, 2:])).sum() > 0
 
 
+def test_a_round_whose_context_repeats_nowhere_is_a_round_of_the_drafted_tree(target):
+  # No pair of tokens repeats: the round is the drafted tree's own (`rounds._round_lookup`),
+  # which keeps what `paths:0` keeps and writes the same keys/values.
+  tokens, lengths = testing.padded([[5, 6, 7, 8, 9]], width=8)
+  drafter = testing.drafter_for("pspec", target)
+  after = {}
+  for tree in ("paths:0+lookup:3", "paths:0"):
+    # One cache length for both: attention over another length rounds differently.
+    plan = _plan(decode.DecodeConfig(max_new_tokens=8, max_len=32, tree=tree), drafter)
+    state = decode.init(plan, target, drafter, tokens, lengths, jax.random.key(0))
+    after[tree] = decode.round_step(plan, target, drafter, state)
+  chain, alone = after.values()
+  assert chain.tokens.tolist() == alone.tokens.tolist()
+  assert chain.cache.lengths.tolist() == alone.cache.lengths.tolist()
+  n = int(alone.cache.lengths[0])
+  for x, y in zip(jax.tree.leaves(chain.cache.k), jax.tree.leaves(alone.cache.k), strict=True):
+    np.testing.assert_array_equal(x[..., :n, :, :], y[..., :n, :, :])
+
+
 # --- gated trees -------------------------------------------------------------------------------
 
 
