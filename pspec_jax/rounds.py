@@ -349,9 +349,9 @@ def _round_adaptive(plan, target, drafter, state) -> tuple[DecodeState, Pairs]:
 def _round_lookup(plan, target, drafter, state) -> tuple[DecodeState, Pairs]:
   """Steps 1-4 of a round of a fixed tree with a lookup chain: the tree with its chain where a
   sequence found one, else the drafted tree alone, each its own branch of a `lax.cond`. Left
-  out inside one pass instead (`verify`'s parts), a chain nobody found had cost every such
-  round 0.08-0.12 of a plain round (`paths:0+lookup:6` on the embedded target), paid in the
-  84% of chat rounds that find no match."""
+  out inside one pass instead (`verify`'s parts), a chain nobody found had cost such a round
+  0.04-0.05 of a plain round more (`paths:0+lookup:6` on the embedded target), paid in the 84%
+  of chat rounds that find no match."""
   pool = plan.tree
   lookup = pld_candidates(
     state.tokens, state.num_tokens, pool.lookup, LOOKUP_NGRAMS[1], LOOKUP_NGRAMS[0]
