@@ -131,7 +131,7 @@ def verified_trees(candidates, chosen, chained) -> dict[str, int]:
   chain), which counts under that tree's name."""
   out = {}
   for cand, n, with_chain in zip(candidates, chosen, chained, strict=True):
-    for tree, rounds in ((dataclasses.replace(cand, lookup=0), n - with_chain), (cand, with_chain)):
+    for tree, rounds in ((cand.drafted, n - with_chain), (cand, with_chain)):
       out[tree.spec] = out.get(tree.spec, 0) + int(rounds)
   return out
 

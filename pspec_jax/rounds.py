@@ -260,14 +260,18 @@ def verify(
   )
 
 
+def _find_chains(state: DecodeState, length: int) -> tuple[jax.Array, jax.Array]:
+  """Every sequence's prompt-lookup chain of `length` tokens and where it was found, [B, L]
+  each (`pld_candidates` over `LOOKUP_NGRAMS`)."""
+  return pld_candidates(state.tokens, state.num_tokens, length, LOOKUP_NGRAMS[1], LOOKUP_NGRAMS[0])
+
+
 def _with_lookup(state, pool, tree, node_tokens, node_table, lookup=None):
   """The tree with its prompt-lookup chain appended where a sequence found a match: (tree,
   node_tokens, node_table, ok [B, L]). Lookup nodes are not drawn from q: their `node_table`
   rows are -1. `lookup`: the chains if already found (`pld_candidates`, L or more long)."""
   if lookup is None:
-    lookup = pld_candidates(
-      state.tokens, state.num_tokens, pool.lookup, LOOKUP_NGRAMS[1], LOOKUP_NGRAMS[0]
-    )
+    lookup = _find_chains(state, pool.lookup)
   lookup_tokens, ok = (x[:, : pool.lookup] for x in lookup)
   node_tokens = jnp.concatenate([node_tokens, lookup_tokens], axis=1)
   if node_table is not None:
@@ -309,9 +313,7 @@ def _round_adaptive(plan, target, drafter, state) -> tuple[DecodeState, Pairs]:
   batch = state.tokens.shape[0]
   lookup = None
   if pool.lookup:  # found once for every candidate's chain
-    chains, found = pld_candidates(
-      state.tokens, state.num_tokens, pool.lookup, LOOKUP_NGRAMS[1], LOOKUP_NGRAMS[0]
-    )
+    chains, found = _find_chains(state, pool.lookup)
     lookup = chains, found & state.adapt.chain  # a chain left out this round is not found
   nodes_C = adaptive.union_nodes(pool)
   noise = _bonus_noise(plan, target, state)
@@ -321,7 +323,7 @@ def _round_adaptive(plan, target, drafter, state) -> tuple[DecodeState, Pairs]:
     nodes = nodes_C[c]
     drafted = nodes[: cand.num_nodes]
     if not chain:  # the drafted tree alone: no lookup part to leave out of the pass
-      cand, nodes = dataclasses.replace(cand, lookup=0), drafted
+      cand, nodes = cand.drafted, drafted
     s = state.replace(
       node_tokens=state.node_tokens[:, drafted], node_logp=state.node_logp[:, drafted]
     )
@@ -353,15 +355,12 @@ def _round_lookup(plan, target, drafter, state) -> tuple[DecodeState, Pairs]:
   0.04-0.05 of a plain round more (`paths:0+lookup:6` on the embedded target), paid in the 84%
   of chat rounds that find no match."""
   pool = plan.tree
-  lookup = pld_candidates(
-    state.tokens, state.num_tokens, pool.lookup, LOOKUP_NGRAMS[1], LOOKUP_NGRAMS[0]
-  )
+  lookup = _find_chains(state, pool.lookup)
   noise = _bonus_noise(plan, target, state)
-  alone = dataclasses.replace(pool, lookup=0)
   on = jax.lax.cond(
     jnp.any(lookup[1][:, 0]),
     lambda: _round_as(plan, pool, target, drafter, state, lookup, noise)[0],
-    lambda: _round_as(plan, alone, target, drafter, state, None, noise)[0],
+    lambda: _round_as(plan, pool.drafted, target, drafter, state, None, noise)[0],
   )
   return _write_path(plan, state, on)
 
@@ -572,9 +571,7 @@ def _draft_adaptive(plan, target, drafter, state, pairs, draw) -> DecodeState:
   batch = state.tokens.shape[0]
   found = jnp.zeros((batch,), jnp.bool_)
   if pool.lookup:
-    found = pld_candidates(state.tokens, state.num_tokens, 1, LOOKUP_NGRAMS[1], LOOKUP_NGRAMS[0])[
-      1
-    ][:, 0]
+    found = _find_chains(state, 1)[1][:, 0]
   choice, chain = adaptive.choose(state.adapt, pool, found, ~state.done)
 
   num_rows = _union_rows(plan.kind, pool) if draw is not None else 1

@@ -107,6 +107,11 @@ class Tree:
     return max(self.depth, self.lookup)
 
   @property
+  def drafted(self) -> "Tree":
+    """This tree without its lookup chain: what a round verifies where no chain is found."""
+    return dataclasses.replace(self, lookup=0)
+
+  @property
   def num_candidates(self) -> int:
     """Candidates per depth the drafter must rank (1 + the largest rank used)."""
     return 1 + max((r for p in self.paths for r in p), default=0)
