@@ -52,9 +52,10 @@ LOOKUP_NGRAMS = (2, 3)
 # Rounds fold their step (>= 0, far below this) into the decode's key; drafts use this stream.
 DRAFT_STREAM = 2**32 - 1
 # An adaptive tree's rounds that draft nothing leave their pairs pending, to be taken in with a
-# later round's (its drafter pass, or a feed once the buffer of this many rounds' width fills):
-# a drafter pass costs about the same for 1 pair as for 14, so a round that verifies the root
-# alone need not pay one.
+# later round's (its drafter pass, or a feed once the buffer of this many rounds' width fills),
+# so a round that verifies the root alone need not pay one. The wider pass that follows costs
+# little: whole decodes pinned to one drafted candidate did not tell this buffer from a
+# one-round one (docs/design.md section 3.7).
 PENDING_ROUNDS = 2
 CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
 
