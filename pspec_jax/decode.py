@@ -112,7 +112,9 @@ def _generate(plan, target, drafter, prompt_tokens, prompt_lengths, key):
   prompt_tokens = sharding.constrain(prompt_tokens, ("batch", "length"), plan.mesh)
   prompt_lengths = sharding.constrain(prompt_lengths, ("batch",), plan.mesh)
   if drafter is not None:
-    drafter = drafter.with_head(target)  # loop-invariant: gathered once, not every round
+    # A drafter loaded for the target has its head (`drafter_files.load_drafter`); else it is
+    # gathered here, once per call, not every round.
+    drafter = drafter.with_head(target)
   state = rounds.init(plan, target, drafter, prompt_tokens, prompt_lengths, key)
   state = jax.lax.while_loop(
     lambda s: ~jnp.all(s.done), lambda s: rounds.round_step(plan, target, drafter, s), state

@@ -210,8 +210,11 @@ class Drafter:
 
   `vocab` holds the token ids of a restricted draft vocabulary ([V'] int32, None for the whole
   vocabulary); `head` is the target's LM head restricted to them ([V', D], or in the panel
-  layout the packed [D, V']), derived once per decode by `with_head` (never stored: the LM
-  head is the target's).
+  layout the packed [D, V']), derived by `with_head` (never stored in drafter files: the LM
+  head is the target's). A drafter loaded for a target has it already
+  (`drafter_files.load_drafter`); without it, `decode.generate` gathers it in every call,
+  which cost the embedded default's decodes 20 ms each (a 128-token decode takes about 500 ms
+  on a 2-core CPU). Replace `vocab` only together with `head=None`.
   """
 
   cfg: DrafterConfig = struct.field(pytree_node=False)
@@ -249,7 +252,8 @@ class Drafter:
     if layout == self.cfg.weight_layout:
       return self
     params = layers.relayout(self.params, layout, self._plain_shapes())
-    return self.replace(cfg=self.cfg.replace(weight_layout=layout), params=params)
+    # The head is stored in the layout too: gathered again (`with_head`) in the new one.
+    return self.replace(cfg=self.cfg.replace(weight_layout=layout), params=params, head=None)
 
   def _plain_shapes(self) -> dict:
     """The parameters' shapes in the plain layout (what a panel weight really holds)."""

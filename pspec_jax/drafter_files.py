@@ -205,7 +205,8 @@ def load_drafter(directory: str | os.PathLike, target: Target) -> Drafter:
   drafter = Drafter(cfg=cfg, params=traverse_util.unflatten_dict(params, sep="/"), vocab=vocab)
   drafter = drafter.with_weight_layout(target.cfg.weight_layout)
   # A target decoding from GGUF blocks: the drafter's dense weights in blocks too.
-  return drafter.with_blocks() if target.keeps_blocks else drafter
+  drafter = drafter.with_blocks() if target.keeps_blocks else drafter
+  return drafter.with_head(target)  # once here, not in every decode
 
 
 def _read_tensors(path: epath.Path) -> dict[str, np.ndarray]:

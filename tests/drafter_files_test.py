@@ -73,6 +73,12 @@ def test_save_then_load_round_trips(target, tmp_path, kind):
   for name, value in original.items():
     assert restored[name].dtype == value.dtype, name
     np.testing.assert_array_equal(restored[name], value, err_msg=name)
+  # Loaded for a target, a drafter with a draft vocabulary carries its head, gathered once: the
+  # one `decode.generate` gathers in every call for a drafter without it.
+  if drafter.vocab is None:
+    assert loaded.head is None
+  else:
+    np.testing.assert_array_equal(loaded.head, drafter.with_head(target).head)
   # Greedy output is the target's whatever the drafter; rounds and acceptance are the drafter's.
   cfg = decode.DecodeConfig(max_new_tokens=12)
   tokens, lengths = testing.padded(testing.PROMPTS)
@@ -80,6 +86,20 @@ def test_save_then_load_round_trips(target, tmp_path, kind):
   got = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, loaded)
   for field in ("tokens", "lengths", "rounds", "accepted_per_depth"):
     assert getattr(got, field).tolist() == getattr(want, field).tolist(), field
+
+
+def test_a_drafter_taken_to_another_layout_gathers_its_head_again(target):
+  """The head is stored in the drafter's weight layout, so a drafter moved to another layout
+  drops it (`decode.generate` gathers it in the new one) rather than keep one of the old."""
+  drafter = make_drafter("eagle", target).with_head(target)
+  moved = drafter.with_weight_layout("panels")
+  assert drafter.head is not None and moved.head is None
+  cfg = decode.DecodeConfig(max_new_tokens=12)
+  tokens, lengths = testing.padded(testing.PROMPTS)
+  want = decode.generate(target, tokens, lengths, jax.random.key(0), cfg)
+  got = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, moved.with_head(target))
+  assert moved.with_head(target).head.shape != drafter.head.shape
+  assert got.tokens.tolist() == want.tokens.tolist()
 
 
 def test_save_then_load_through_epath(target, tmp_path):
