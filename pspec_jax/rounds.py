@@ -57,6 +57,9 @@ DRAFT_STREAM = 2**32 - 1
 # little: whole decodes pinned to one drafted candidate did not tell this buffer from a
 # one-round one (docs/design.md section 3.7).
 PENDING_ROUNDS = 2
+# The narrowest prefill below a prompt width (`prefill_widths`): prompts padded to 64 or less are
+# prefilled at their width, in one compiled pass.
+MIN_PREFILL_WIDTH = 64
 CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
 
 
@@ -146,10 +149,7 @@ def init(
   batch, width = prompt_tokens.shape
   total = width + plan.max_new_tokens
   prompt_lengths = prompt_lengths.astype(jnp.int32)
-  positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
-  features, hidden, kv = read_target(target, drafter and drafter.cfg, prompt_tokens, positions)
-  # p_n sits at each sequence's last real token; pads after it are never read.
-  last = jnp.take_along_axis(features, (prompt_lengths - 1)[:, None, None], axis=1)
+  last, hidden, kv = _prefill(target, drafter, prompt_tokens, prompt_lengths)
   first = select(target.logits(last)[:, 0], jax.random.fold_in(key, 0), plan.sampling)
   cache = target.empty_cache(batch, plan.max_len).write(kv, prompt_lengths)
   is_prompt = jnp.arange(width)[None, :] < prompt_lengths[:, None]
@@ -183,6 +183,38 @@ def init(
       )
     )
   return _constrain_state(plan, draft(plan, target, drafter, state, pairs))
+
+
+def prefill_widths(width: int) -> list[int]:
+  """The widths a prefill of prompts padded to `width` may run at: the powers of two from
+  `MIN_PREFILL_WIDTH` below it, and `width` itself."""
+  narrower = [w for w in (MIN_PREFILL_WIDTH << i for i in range(32)) if w < width]
+  return narrower + [width]
+
+
+def _prefill(target, drafter, tokens_BW, lengths_B):
+  """The target over the prompts: (f at each sequence's last token [B, 1, D], the drafter's
+  features h [B, W, E], keys/values [L, B, W, K, H]), zeros past the width run.
+
+  The pass runs at the narrowest of `prefill_widths` that holds every prompt, each width its
+  own `lax.switch` branch: prompts are padded to a bucket of a prompt set (or a batch), and a
+  pass over the pads costs what one over real tokens does (0.6 ms a row for the embedded
+  default on a 2-core CPU, where 53 tokens padded to 128 took 75 ms instead of 39)."""
+  batch, width = tokens_BW.shape
+  cfg = drafter and drafter.cfg
+
+  def run(w):
+    positions = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (batch, w))
+    features, hidden, kv = read_target(target, cfg, tokens_BW[:, :w], positions)
+    # p_n sits at each sequence's last real token; pads after it are never read.
+    last = jnp.take_along_axis(features, (lengths_B - 1)[:, None, None], axis=1)
+    return last, _pad(hidden, 1, width), tuple(_pad(x, 2, width) for x in kv)
+
+  widths = prefill_widths(width)
+  if len(widths) == 1:
+    return run(width)
+  index = jnp.searchsorted(jnp.asarray(widths), jnp.max(lengths_B))
+  return jax.lax.switch(index, [functools.partial(run, w) for w in widths])
 
 
 def verify(

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from pspec_jax import accept, cpu_kernel, decode, llama, sampling, testing, tree_specs
+from pspec_jax import accept, cpu_kernel, decode, llama, rounds, sampling, testing, tree_specs
 from pspec_jax import tree as tree_lib
 from pspec_jax.sampling import SamplingConfig, filtered_logits, select
 
@@ -63,6 +63,29 @@ def test_ragged_batch_equals_each_sequence_alone(target):
   for row, prompt in enumerate(PROMPTS):
     alone = decode.generate(target, *testing.padded([prompt], width=9), jax.random.key(0), cfg)
     assert batch.tokens[row].tolist() == alone.tokens[0].tolist()
+
+
+def test_prompts_padded_wide_are_prefilled_at_the_narrowest_width_that_holds_them(target):
+  """Prompts padded far past their length (to a prompt set's bucket) are prefilled at the
+  narrowest of `rounds.prefill_widths` that holds the longest: nothing past it is computed
+  (zeros), and decoding gives the tokens of the prompts padded to their own width."""
+  assert rounds.prefill_widths(32) == [32]
+  assert rounds.prefill_widths(64) == [64] and rounds.prefill_widths(96) == [64, 96]
+  assert rounds.prefill_widths(256) == [64, 128, 256]
+  prefill = jax.jit(rounds._prefill)
+  long_prompt = [1 + i % 60 for i in range(70)]
+  for prompts, run in ((PROMPTS, 64), ([*PROMPTS, long_prompt], 96)):
+    tokens, lengths = testing.padded(prompts, width=96)
+    _, hidden, (k, v) = prefill(target, None, jnp.asarray(tokens), jnp.asarray(lengths))
+    assert (
+      not jnp.any(hidden[:, run:]) and not jnp.any(k[:, :, run:]) and not jnp.any(v[:, :, run:])
+    )
+    assert jnp.all(jnp.any(hidden[:, :run] != 0, axis=-1))  # pads inside the width run are run
+    cfg = decode.DecodeConfig(max_new_tokens=8)
+    wide = decode.generate(target, tokens, lengths, jax.random.key(0), cfg)
+    own_width = testing.padded(prompts, width=max(map(len, prompts)))
+    own = decode.generate(target, *own_width, jax.random.key(0), cfg)
+    assert wide.tokens.tolist() == own.tokens.tolist()
 
 
 def test_eos_stops_one_sequence_and_pads_it(target):
