@@ -57,8 +57,8 @@ DRAFT_STREAM = 2**32 - 1
 # little: whole decodes pinned to one drafted candidate did not tell this buffer from a
 # one-round one (docs/design.md section 3.7).
 PENDING_ROUNDS = 2
-# The narrowest prefill below a prompt width (`prefill_widths`): prompts padded to 64 or less are
-# prefilled at their width, in one compiled pass.
+# The narrowest prefill below a prompt width (`prefill_widths`): prompts padded to 64 or fewer
+# tokens are prefilled at their width, in one compiled pass.
 MIN_PREFILL_WIDTH = 64
 CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
 
@@ -186,9 +186,11 @@ def init(
 
 
 def prefill_widths(width: int) -> list[int]:
-  """The widths a prefill of prompts padded to `width` may run at: the powers of two from
-  `MIN_PREFILL_WIDTH` below it, and `width` itself."""
-  narrower = [w for w in (MIN_PREFILL_WIDTH << i for i in range(32)) if w < width]
+  """The widths a prefill of prompts padded to `width` may run at: the powers of two below it
+  from a quarter of it (each is one more compiled pass, about 2 s on a 2-core CPU for the
+  embedded default) and from `MIN_PREFILL_WIDTH`, and `width` itself."""
+  lowest = max(MIN_PREFILL_WIDTH, -(-width // 4))
+  narrower = [w for w in (1 << i for i in range(32)) if lowest <= w < width]
   return narrower + [width]
 
 

@@ -72,6 +72,7 @@ def test_prompts_padded_wide_are_prefilled_at_the_narrowest_width_that_holds_the
   assert rounds.prefill_widths(32) == [32]
   assert rounds.prefill_widths(64) == [64] and rounds.prefill_widths(96) == [64, 96]
   assert rounds.prefill_widths(256) == [64, 128, 256]
+  assert rounds.prefill_widths(512) == [128, 256, 512]  # two narrower passes at most
   prefill = jax.jit(rounds._prefill)
   long_prompt = [1 + i % 60 for i in range(70)]
   for prompts, run in ((PROMPTS, 64), ([*PROMPTS, long_prompt], 96)):
