@@ -247,6 +247,19 @@ class Drafter:
     f32 = dict(preferred_element_type=jnp.float32)
     return jnp.einsum("...D,VD->...V", g_XD.astype(head.dtype), head, **f32)
 
+  def with_draft_vocab(self, size: int) -> "Drafter":
+    """The same drafter proposing from the first `size` tokens of its draft vocabulary, which
+    `data.frequent_tokens` orders most frequent first: a smaller LM head to read in every
+    drafter pass, for drafts that miss the rare tokens left out. Decoding stays lossless."""
+    if self.vocab is None:
+      raise ValueError("this drafter has no draft vocabulary to cut: it drafts from the whole")
+    if not 0 < size <= len(self.vocab):
+      raise ValueError(f"draft vocabulary size must be in [1, {len(self.vocab)}], got {size}")
+    if size == len(self.vocab):
+      return self
+    cfg = self.cfg.replace(draft_vocab_size=size)
+    return self.replace(cfg=cfg, vocab=self.vocab[:size], head=None)
+
   def with_weight_layout(self, layout: str) -> "Drafter":
     """The same drafter with its dense weights stored in `layout` (`panels.LAYOUTS`)."""
     if layout == self.cfg.weight_layout:

@@ -1,7 +1,8 @@
 """Drafter files: a directory with `drafter.json` (config) and `drafter.safetensors` (params).
 
 The JSON records the drafter's kind, K, tree presets (greedy and optionally sampling, the
-candidate set of its `adaptive` tree, plus per-device ones, `device_trees`), layer widths, its
+candidate set of its `adaptive` tree, plus per-device ones, `device_trees`, which may also cut
+the draft vocabulary decoding uses there), layer widths, its
 architecture options (`num_layers`, `feature_layers`, `mask_input`; absent in older files, which
 are the defaults) and the identity of the target it was built for (name, vocab size, feature
 width); loading it against another target is one clear error. A file that uses an architecture
@@ -47,9 +48,13 @@ _ARCH_DEFAULTS = dict(num_layers=1, feature_layers=(), mask_input="per_depth")
 CONFIG_FILE = "drafter.json"
 PARAMS_FILE = "drafter.safetensors"
 VOCAB_TENSOR = "draft_vocab"  # int32 token ids of a restricted draft vocabulary
-# {platform: {"tree": ..., "sampling_tree": ..., "adaptive": ...}}: trees tuned on one kind of
-# device.
+# {platform: {"tree": ..., "sampling_tree": ..., "adaptive": ..., "draft_vocab_size": ...}}:
+# decoding tuned on one kind of device. `draft_vocab_size` there decodes from the first tokens
+# of the stored draft vocabulary (the most frequent first): where a drafter pass is bound by
+# reading its LM head, as on a CPU, a smaller head is worth more than the rare tokens it leaves
+# out.
 DEVICE_TREES = "device_trees"
+_DEVICE_FIELDS = {"tree", "sampling_tree", "adaptive", "draft_vocab_size"}
 # Drafters trained by the project, by target name and kind: drafters/<target>/<kind>/.
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "drafters")
 _LAYER_FIELDS = {  # name -> type
@@ -103,15 +108,26 @@ def save_drafter(
 
 
 def read_drafter_config(
-  directory: str | os.PathLike, target: LlamaConfig, platform: str | None = None
+  directory: str | os.PathLike,
+  target: LlamaConfig,
+  platform: str | None = None,
+  *,
+  as_stored: bool = False,
 ) -> DrafterConfig:
   """The config of a drafter saved by `save_drafter`, checked against the target it is for;
   reads `drafter.json` only. One ValueError for any bad input.
 
-  Its trees are those of `device_trees[platform]` where the file has an entry for `platform`
-  (default: JAX's backend, `cpu`, `gpu` or `tpu`), else the file's `tree` and `sampling_tree`:
-  the tree that decodes fastest depends on what a verified node costs on the device.
+  Its trees and draft vocabulary size are those of `device_trees[platform]` where the file has
+  an entry for `platform` (default: JAX's backend, `cpu`, `gpu` or `tpu`), else the file's own:
+  the tree that decodes fastest depends on what a verified node costs on the device, and the
+  draft vocabulary worth reading on what reading its head costs. `as_stored`: the file's own
+  (the drafter as trained, what training continues from), whatever the device.
   """
+  return _read_config(directory, target, platform, as_stored)[0]
+
+
+def _read_config(directory, target: LlamaConfig, platform: str | None, as_stored: bool):
+  """(`read_drafter_config`'s config, the number of token ids stored in its draft vocabulary)."""
   config_path = epath.Path(directory) / CONFIG_FILE
   if not config_path.is_file():
     raise ValueError(f"drafter not found: {config_path} does not exist")
@@ -137,31 +153,41 @@ def read_drafter_config(
     scaling = layer.pop("rope_scaling", None)
     num_draft = int(config.get("num_draft", 1))
     device_trees = config.get(DEVICE_TREES, {})
+    stored_vocab = int(config.get("draft_vocab_size", 0))
     if not isinstance(device_trees, dict) or not all(
-      isinstance(e, dict) and set(e) <= {"tree", "sampling_tree", "adaptive"}
-      for e in device_trees.values()
+      isinstance(e, dict) and set(e) <= _DEVICE_FIELDS for e in device_trees.values()
     ):
-      raise ValueError(
-        f"{DEVICE_TREES} must map a platform to its tree, sampling_tree and adaptive"
-      )
+      raise ValueError(f"{DEVICE_TREES} must map a platform to some of {sorted(_DEVICE_FIELDS)}")
     for platform_name, entry in device_trees.items():
       for name, spec in entry.items():
+        if name == "draft_vocab_size":
+          if not stored_vocab:
+            raise ValueError(
+              f"{DEVICE_TREES}.{platform_name}.draft_vocab_size: the drafter drafts from the "
+              "whole vocabulary, not a stored draft vocabulary to take the first tokens of"
+            )
+          if type(spec) is not int or not 0 < spec <= stored_vocab:
+            raise ValueError(
+              f"{DEVICE_TREES}.{platform_name}.draft_vocab_size must be an integer in "
+              f"[1, {stored_vocab}] (the stored draft vocabulary), got {spec!r}"
+            )
+          continue
         if name == "adaptive":
           spec = f"adaptive:{spec}"
         try:
           tree_specs.parse(spec, num_draft)
         except ValueError as e:
           raise ValueError(f"{DEVICE_TREES}.{platform_name}.{name}: {e}") from None
-    trees = device_trees.get(platform or jax.default_backend(), {})
+    device = {} if as_stored else device_trees.get(platform or jax.default_backend(), {})
     cfg = DrafterConfig.for_target(
       config["kind"],
       target,
       num_draft=num_draft,
-      tree=str(trees.get("tree", config.get("tree", "chain"))),
-      sampling_tree=str(trees.get("sampling_tree", config.get("sampling_tree", ""))),
-      adaptive=str(trees.get("adaptive", config.get("adaptive", ""))),
+      tree=str(device.get("tree", config.get("tree", "chain"))),
+      sampling_tree=str(device.get("sampling_tree", config.get("sampling_tree", ""))),
+      adaptive=str(device.get("adaptive", config.get("adaptive", ""))),
       max_ngram=int(config.get("max_ngram", 3)),
-      draft_vocab_size=int(config.get("draft_vocab_size", 0)),
+      draft_vocab_size=int(device.get("draft_vocab_size", stored_vocab)),
       num_layers=int(config.get("num_layers", 1)),
       feature_layers=tuple(int(i) for i in config.get("feature_layers", ())),
       mask_input=str(config.get("mask_input", "per_depth")),
@@ -175,19 +201,27 @@ def read_drafter_config(
       f"the drafter in {directory} reads target layers {cfg.feature_layers}, but "
       f"{target.name!r} has {target.num_layers}"
     )
-  return cfg
+  return cfg, stored_vocab
 
 
-def load_drafter(directory: str | os.PathLike, target: Target) -> Drafter:
+def load_drafter(
+  directory: str | os.PathLike, target: Target, *, as_stored: bool = False
+) -> Drafter:
   """Reads a drafter saved by `save_drafter` for `target` (a local directory or a URL such as
-  gs://bucket/export, read through `etils.epath`). One ValueError for any bad input."""
+  gs://bucket/export, read through `etils.epath`), set for decoding on this device
+  (`read_drafter_config`). One ValueError for any bad input.
+
+  `as_stored`: the drafter as its file stores it, with the file's own trees and whole draft
+  vocabulary, whatever the device: what training continues from.
+  """
+  cfg, stored_vocab = _read_config(directory, target.cfg, None, as_stored)
   # Files hold the plain layout; the drafter takes the target's once read.
-  cfg = read_drafter_config(directory, target.cfg).replace(weight_layout="plain")
+  cfg = cfg.replace(weight_layout="plain")
   expected = traverse_util.flatten_dict(
     jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))), sep="/"
   )
-  if cfg.draft_vocab_size:
-    expected[VOCAB_TENSOR] = jax.ShapeDtypeStruct((cfg.draft_vocab_size,), np.int32)
+  if stored_vocab:
+    expected[VOCAB_TENSOR] = jax.ShapeDtypeStruct((stored_vocab,), np.int32)
   stored = _read_tensors(epath.Path(directory) / PARAMS_FILE) if expected else {}
   params = {}
   for name, spec in expected.items():
@@ -196,13 +230,16 @@ def load_drafter(directory: str | os.PathLike, target: Target) -> Drafter:
       raise ValueError(f"drafter {directory}: tensor {name} should be {spec.shape}, found {got}")
     params[name] = stored[name]
   vocab = None
-  if cfg.draft_vocab_size:
+  if stored_vocab:
     vocab = np.asarray(params.pop(VOCAB_TENSOR))
     if vocab.min() < 0 or vocab.max() >= cfg.vocab_size or len(set(vocab.tolist())) < len(vocab):
       raise ValueError(f"drafter {directory}: corrupt draft vocabulary ({VOCAB_TENSOR})")
     vocab = jnp.asarray(vocab, jnp.int32)
   params = {k: jnp.asarray(np.asarray(v, np.float32), cfg.param_dtype) for k, v in params.items()}
-  drafter = Drafter(cfg=cfg, params=traverse_util.unflatten_dict(params, sep="/"), vocab=vocab)
+  params = traverse_util.unflatten_dict(params, sep="/")
+  drafter = Drafter(cfg=cfg.replace(draft_vocab_size=stored_vocab), params=params, vocab=vocab)
+  if cfg.draft_vocab_size != stored_vocab:
+    drafter = drafter.with_draft_vocab(cfg.draft_vocab_size)
   drafter = drafter.with_weight_layout(target.cfg.weight_layout)
   # A target decoding from GGUF blocks: the drafter's dense weights in blocks too.
   drafter = drafter.with_blocks() if target.keeps_blocks else drafter

@@ -190,23 +190,81 @@ def test_trees_tuned_for_a_kind_of_device_are_taken_there(target, tmp_path):
   assert drafter_files.load_drafter(str(tmp_path), target).cfg.tree == "sparse6"  # on this CPU
 
 
+def test_a_device_entry_decodes_from_the_first_tokens_of_the_draft_vocabulary(target, tmp_path):
+  drafter = make_drafter("eagle", target)  # 11 stored token ids
+  drafter_files.save_drafter(str(tmp_path), drafter)
+  path = tmp_path / drafter_files.CONFIG_FILE
+  config = json.loads(path.read_text())
+  config["device_trees"] = {"cpu": {"draft_vocab_size": 4}}
+  path.write_text(json.dumps(config))
+
+  def size(platform, **kw):
+    return drafter_files.read_drafter_config(str(tmp_path), target.cfg, platform, **kw)
+
+  assert size("cpu").draft_vocab_size == 4
+  assert size("gpu").draft_vocab_size == 11  # no entry there: the whole stored vocabulary
+  assert size("cpu", as_stored=True).draft_vocab_size == 11
+  loaded = drafter_files.load_drafter(str(tmp_path), target)  # on this CPU
+  assert loaded.cfg.draft_vocab_size == 4
+  assert loaded.vocab.tolist() == drafter.vocab[:4].tolist()
+  cut = drafter.with_draft_vocab(4)
+  assert cut.cfg == loaded.cfg and cut.vocab.tolist() == loaded.vocab.tolist()
+  np.testing.assert_array_equal(loaded.head, cut.with_head(target).head)
+  assert loaded.head.shape[0] == 4
+  stored = drafter_files.load_drafter(str(tmp_path), target, as_stored=True)
+  assert stored.cfg == drafter.cfg and stored.vocab.tolist() == drafter.vocab.tolist()
+  # Still lossless, drafting from fewer tokens: its rounds are those of the drafter cut by hand.
+  cfg = decode.DecodeConfig(max_new_tokens=12, tree="sparse6")
+  tokens, lengths = testing.padded(testing.PROMPTS)
+  plain = decode.generate(target, tokens, lengths, jax.random.key(0), cfg)
+  got = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, loaded)
+  by_hand = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, cut)
+  assert got.tokens.tolist() == plain.tokens.tolist()
+  assert got.rounds.tolist() == by_hand.rounds.tolist()
+  assert got.accepted_per_depth.tolist() == by_hand.accepted_per_depth.tolist()
+  assert drafter.with_draft_vocab(11) is drafter
+  for bad in (0, 12):
+    with pytest.raises(ValueError, match=r"draft vocabulary size must be in \[1, 11\]"):
+      drafter.with_draft_vocab(bad)
+  with pytest.raises(ValueError, match="no draft vocabulary"):
+    make_drafter("pspec", target).with_draft_vocab(4)
+
+
+@pytest.mark.parametrize("size", [0, 12, "4", 4.0, True])
+def test_a_device_draft_vocabulary_beyond_the_stored_one_is_one_clear_error(target, tmp_path, size):
+  drafter_files.save_drafter(str(tmp_path), make_drafter("eagle", target))
+  path = tmp_path / drafter_files.CONFIG_FILE
+  config = json.loads(path.read_text())
+  config["device_trees"] = {"tpu": {"draft_vocab_size": size}}  # any device's entry is checked
+  path.write_text(json.dumps(config))
+  with pytest.raises(
+    ValueError, match=r"device_trees.tpu.draft_vocab_size must be an .* \[1, 11\]"
+  ):
+    drafter_files.load_drafter(str(tmp_path), target)
+
+
 def test_shipped_drafters_read_on_every_kind_of_device():
   from configs import smollm2_135m
   from train import build
 
   target = build.target_config(smollm2_135m.get_config())
-  trees = {}
+  trees, vocab = {}, {}
   for kind in ("pspec", "eagle", "medusa"):
     directory = drafter_files.shipped_drafter(target.name, kind)
     for platform in ("cpu", "gpu", "tpu"):
       cfg = drafter_files.read_drafter_config(directory, target, platform)
       trees[kind, platform] = cfg.tree
+      vocab[kind, platform] = cfg.draft_vocab_size
   # The README's: pspec's fastest greedy tree on the H100 was a 16-node one; on a CPU decoding
   # from the GGUF file's blocks, the lookup chain alone (drafted nodes no longer pay there); a
   # TPU has no entry and takes the file's own tree.
   assert trees["pspec", "gpu"] == "sparse16+lookup:6"
   assert trees["pspec", "cpu"] == "paths:0+lookup:6"
   assert trees["pspec", "tpu"] == "paths:0+lookup:6"
+  # pspec decodes on a CPU from the 4,096 most frequent of its 16,384 draft tokens: a quarter
+  # of the LM head to read in each drafter pass.
+  assert vocab["pspec", "cpu"] == 4096
+  assert vocab["pspec", "gpu"] == vocab["pspec", "tpu"] == 16384
 
 
 # Greedy decoding of two chat prompts with each shipped drafter (format version 1, without the
@@ -235,7 +293,9 @@ def test_old_drafter_files_load_and_decode_as_before(smollm2):
     directory = drafter_files.shipped_drafter(target.cfg.name, kind)
     config = json.loads((epath.Path(directory) / drafter_files.CONFIG_FILE).read_text())
     assert config["format_version"] == 1 and "num_layers" not in config
-    drafter = drafter_files.load_drafter(directory, target)
+    # As stored: the decodes were recorded with the whole draft vocabulary, before a device
+    # entry could cut it.
+    drafter = drafter_files.load_drafter(directory, target, as_stored=True)
     assert (drafter.cfg.num_layers, drafter.cfg.feature_layers) == (1, ())
     assert drafter.cfg.mask_input == "per_depth"
     # Every stored tensor is a parameter: nothing in the file is left unread.
@@ -460,6 +520,8 @@ def test_resolve_a_saved_drafter_checks_its_kind(target, tmp_path):
     lambda c: c.update(device_trees={"cpu": {"tree_for_gpu": "chain"}}),
     lambda c: c.update(device_trees={"gpu": "chain"}),
     lambda c: c.update(device_trees=["cpu"]),
+    # pspec here drafts from the whole vocabulary: there is no stored one to cut.
+    lambda c: c.update(device_trees={"cpu": {"draft_vocab_size": 4}}),
   ],
 )
 def test_corrupt_fields_are_one_clear_error(target, tmp_path, edit):

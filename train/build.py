@@ -116,7 +116,7 @@ def init_from(config: ml_collections.ConfigDict, target: llama.LlamaConfig) -> s
   if directory is None:
     raise ValueError(f"train.init_from=shipped: no {kind} drafter ships for {target.name!r}")
   try:
-    have = drafter_files.read_drafter_config(directory, target)
+    have = drafter_files.read_drafter_config(directory, target, as_stored=True)
   except ValueError as e:
     raise ValueError(f"train.init_from: {e}") from None
   want = drafter_config(config, target)

@@ -129,7 +129,7 @@ def train(config, workdir: str, eval_only: bool = False) -> None:
   eval_step = step_lib.jit_eval_step(cfg, place)
   key = jax.random.key(config.seed)
   if init_dir:
-    initial = load_drafter(init_dir, target)
+    initial = load_drafter(init_dir, target, as_stored=True)
     vocab = initial.vocab
     state = step_lib.jit_init_from(cfg, place)(initial.params, vocab)
     if main:
