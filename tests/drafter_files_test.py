@@ -261,10 +261,11 @@ def test_shipped_drafters_read_on_every_kind_of_device():
   assert trees["pspec", "gpu"] == "sparse16+lookup:6"
   assert trees["pspec", "cpu"] == "paths:0+lookup:6"
   assert trees["pspec", "tpu"] == "paths:0+lookup:6"
-  # pspec decodes on a CPU from the 4,096 most frequent of its 16,384 draft tokens: a quarter
-  # of the LM head to read in each drafter pass.
-  assert vocab["pspec", "cpu"] == 4096
-  assert vocab["pspec", "gpu"] == vocab["pspec", "tpu"] == 16384
+  # pspec and eagle decode on a CPU from the 4,096 most frequent of their 16,384 draft tokens:
+  # a quarter of the LM head to read in each drafter pass.
+  for kind in ("pspec", "eagle"):
+    assert vocab[kind, "cpu"] == 4096
+    assert vocab[kind, "gpu"] == vocab[kind, "tpu"] == 16384
 
 
 # Greedy decoding of two chat prompts with each shipped drafter (format version 1, without the
