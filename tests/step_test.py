@@ -146,3 +146,24 @@ def test_precomputed_target_features_give_the_same_step(kind, options, tmp_path)
     got_state.params,
     want_state.params,
   )
+
+
+def test_a_draft_vocabulary_of_another_size_is_one_clear_error():
+  """A run starting from a drafter file must train the vocabulary its config says, not one cut
+  for decoding (`Drafter.with_draft_vocab`)."""
+  target = testing.make_target(3.0)
+  drafter = drafter_lib.random_drafter(
+    "eagle", target, jax.random.key(0), num_draft=3, draft_vocab_size=12
+  )
+  cfg = step_lib.StepConfig(
+    target=target.cfg,
+    drafter=drafter.cfg,
+    loss=losses.LossConfig(chunk=32),
+    optimizer=step_lib.OptimizerConfig(lr=1e-2, warmup_steps=1, steps=10),
+  )
+  assert step_lib.init_state(cfg, drafter.params, drafter.vocab).draft_vocab.shape == (12,)
+  cut = drafter.with_draft_vocab(5).vocab
+  with pytest.raises(ValueError, match="needs a draft vocabulary of 12 tokens, got 5 tokens"):
+    step_lib.init_state(cfg, drafter.params, cut)
+  with pytest.raises(ValueError, match="needs a draft vocabulary of 12 tokens, got none"):
+    step_lib.init_state(cfg, drafter.params)

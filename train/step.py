@@ -113,8 +113,10 @@ def abstract_batch(cfg: StepConfig, batch_size: int, seq_len: int) -> dict:
 
 def init_state(cfg: StepConfig, params, draft_vocab=None) -> TrainState:
   """A fresh state; `draft_vocab` is required when the drafter has a restricted vocabulary."""
-  if (draft_vocab is None) != (cfg.drafter.draft_vocab_size == 0):
-    raise ValueError(f"the drafter needs a draft vocabulary of {cfg.drafter.draft_vocab_size}")
+  size = cfg.drafter.draft_vocab_size
+  if (draft_vocab is None) != (size == 0) or (size and draft_vocab.shape != (size,)):
+    got = "none" if draft_vocab is None else f"{draft_vocab.shape[0]} tokens"
+    raise ValueError(f"the drafter needs a draft vocabulary of {size} tokens, got {got}")
   return TrainState(
     step=jnp.zeros((), jnp.int32),
     params=params,
