@@ -390,7 +390,8 @@ void quantize_portable(const float* x, int64_t count, int8_t* q, float* d, int32
 }
 
 // One block's integer sums and their float update, for every row of x: `Dots` is an
-// instruction set's (its `rows`); `values` the block's 8 x 4 vectors of 64 unsigned bytes.
+// instruction set's (its `rows`); `values` the block's 8 x 4 vectors of 64 unsigned bytes, or
+// for Q4_1 where `Dots::kUnpacksQ4_1`, its 8 x 2 vectors of nibbles as stored.
 struct BlockArgs {
   const float* d;        // the block's scales [64]
   const float* m;        // Q4_1: its minimums [64]; Q8_0: null
@@ -424,6 +425,7 @@ inline void update_portable(const BlockArgs& a, const QuantRows& x, int64_t nb, 
 
 struct PortableDots {
   static constexpr QuantizeFn quantize = quantize_portable;
+  static constexpr bool kUnpacksQ4_1 = false;  // Q4_1's values go through a buffer
   static void q4_1_values(const uint8_t* v, uint8_t* out) { q4_1_values_portable(v, out); }
   static void rows(const BlockArgs& a, const QuantRows& x, int64_t m, int64_t k, float* acc) {
     for (int64_t r = 0; r < m; ++r) {
@@ -496,6 +498,7 @@ __attribute__((target("avx2,fma"))) void row_avx2(const BlockArgs& a, const Quan
 
 struct Avx2Dots {
   static constexpr QuantizeFn quantize = quantize_portable;
+  static constexpr bool kUnpacksQ4_1 = false;
   static void q4_1_values(const uint8_t* v, uint8_t* out) { q4_1_values_avx2(v, out); }
   static void rows(const BlockArgs& a, const QuantRows& x, int64_t m, int64_t k, float* acc) {
     const int64_t nb = k / kQuantK;
@@ -532,18 +535,10 @@ __attribute__((target(PSPEC_VNNI))) void quantize_avx512(const float* x, int64_t
   }
 }
 
-__attribute__((target(PSPEC_VNNI))) void q4_1_values_avx512(const uint8_t* v, uint8_t* out) {
-  const __m512i low = _mm512_set1_epi8(15);
-  for (int64_t j = 0; j < kQuads; ++j)
-    for (int h = 0; h < 2; ++h) {
-      const __m512i b = _mm512_loadu_si512(v + (2 * j + h) * 64);
-      _mm512_storeu_si512(out + (4 * j + 2 * h) * 64, _mm512_and_si512(b, low));
-      _mm512_storeu_si512(out + (4 * j + 2 * h + 1) * 64,
-                          _mm512_and_si512(_mm512_srli_epi16(b, 4), low));
-    }
-}
-
-template <int R>
+// Q4_1's values are unpacked in registers, quad by quad (`kQ4`: `a.values` holds the block's
+// nibbles as stored). Stored to a buffer and loaded back instead, they made plain decoding of
+// the embedded target 4% slower, and its drafted rounds 1-3%.
+template <int R, bool kQ4>
 __attribute__((target(PSPEC_VNNI), always_inline)) inline void rows_avx512(
     const BlockArgs& a, const QuantRows& x, int64_t k, int64_t r0, float* acc) {
   const int64_t nb = k / kQuantK;
@@ -551,9 +546,18 @@ __attribute__((target(PSPEC_VNNI), always_inline)) inline void rows_avx512(
   for (int r = 0; r < R; ++r)
     for (int g = 0; g < kGroups; ++g) sum[r][g] = _mm512_setzero_si512();
   const int8_t* xq = x.q + r0 * k + a.block * kQuantK;
+  const __m512i low = _mm512_set1_epi8(15);
   for (int64_t j = 0; j < kQuads; ++j) {
     __m512i w[kGroups];
-    for (int g = 0; g < kGroups; ++g) w[g] = _mm512_loadu_si512(a.values + (4 * j + g) * 64);
+    if constexpr (kQ4) {  // vector h of quad j: the low nibbles are w[2h], the high ones w[2h + 1]
+      for (int h = 0; h < 2; ++h) {
+        const __m512i b = _mm512_loadu_si512(a.values + (2 * j + h) * 64);
+        w[2 * h] = _mm512_and_si512(b, low);
+        w[2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+      }
+    } else {
+      for (int g = 0; g < kGroups; ++g) w[g] = _mm512_loadu_si512(a.values + (4 * j + g) * 64);
+    }
     for (int r = 0; r < R; ++r) {
       int32_t four;
       std::memcpy(&four, xq + r * k + 4 * j, 4);
@@ -568,10 +572,10 @@ __attribute__((target(PSPEC_VNNI), always_inline)) inline void rows_avx512(
     float* y_r = acc + (r0 + r) * kWidth;
     for (int g = 0; g < kGroups; ++g) {
       const __m512 t = _mm512_mul_ps(_mm512_loadu_ps(a.d + 16 * g), dx);
-      const __m512i isum = a.m != nullptr ? sum[r][g] : _mm512_sub_epi32(sum[r][g], off);
+      const __m512i isum = kQ4 ? sum[r][g] : _mm512_sub_epi32(sum[r][g], off);
       __m512 y = _mm512_load_ps(y_r + 16 * g);
       y = _mm512_fmadd_ps(t, _mm512_cvtepi32_ps(isum), y);
-      if (a.m != nullptr)
+      if (kQ4)
         y = _mm512_fmadd_ps(_mm512_loadu_ps(a.m + 16 * g), _mm512_set1_ps(x.sx[i]), y);
       _mm512_store_ps(y_r + 16 * g, y);
     }
@@ -580,15 +584,23 @@ __attribute__((target(PSPEC_VNNI), always_inline)) inline void rows_avx512(
 
 struct Avx512Dots {
   static constexpr QuantizeFn quantize = quantize_avx512;
-  static void q4_1_values(const uint8_t* v, uint8_t* out) { q4_1_values_avx512(v, out); }
+  static constexpr bool kUnpacksQ4_1 = true;  // `rows` takes Q4_1's nibbles as stored
   __attribute__((target(PSPEC_VNNI))) static void rows(const BlockArgs& a, const QuantRows& x,
                                                        int64_t m, int64_t k, float* acc) {
+    if (a.m != nullptr)
+      rows_of<true>(a, x, m, k, acc);
+    else
+      rows_of<false>(a, x, m, k, acc);
+  }
+  template <bool kQ4>
+  __attribute__((target(PSPEC_VNNI))) static void rows_of(const BlockArgs& a, const QuantRows& x,
+                                                          int64_t m, int64_t k, float* acc) {
     int64_t r = 0;
-    for (; r + 4 <= m; r += 4) rows_avx512<4>(a, x, k, r, acc);
+    for (; r + 4 <= m; r += 4) rows_avx512<4, kQ4>(a, x, k, r, acc);
     switch (m - r) {
-      case 1: return rows_avx512<1>(a, x, k, r, acc);
-      case 2: return rows_avx512<2>(a, x, k, r, acc);
-      case 3: return rows_avx512<3>(a, x, k, r, acc);
+      case 1: return rows_avx512<1, kQ4>(a, x, k, r, acc);
+      case 2: return rows_avx512<2, kQ4>(a, x, k, r, acc);
+      case 3: return rows_avx512<3, kQ4>(a, x, k, r, acc);
     }
   }
 };
@@ -616,11 +628,11 @@ void panel_quantised(const Problem& p, int64_t panel) {
     const uint8_t* src = blocks + b * bytes;
     prefetch(src + kAhead * bytes, src + (kAhead + 1) * bytes);
     BlockArgs a{block_scales(src), kQ4 ? block_scales(src) + kWidth : nullptr, nullptr, b};
-    if (kQ4) {
+    if constexpr (kQ4 && !Dots::kUnpacksQ4_1) {
       Dots::q4_1_values(src + 2 * 4 * kWidth, values);
       a.values = values;
     } else {
-      a.values = src + 4 * kWidth;
+      a.values = src + (kQ4 ? 2 : 1) * 4 * kWidth;
     }
     Dots::rows(a, *p.quant, p.m, p.k, acc);
   }
