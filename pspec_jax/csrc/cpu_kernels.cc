@@ -390,8 +390,8 @@ void quantize_portable(const float* x, int64_t count, int8_t* q, float* d, int32
 }
 
 // One block's integer sums and their float update, for every row of x: `Dots` is an
-// instruction set's (its `rows`); `values` the block's 8 x 4 vectors of 64 unsigned bytes, or
-// for Q4_1 where `Dots::kUnpacksQ4_1`, its 8 x 2 vectors of nibbles as stored.
+// instruction set's (its `rows`); `values` the block's values as stored (Q8_0: 8 x 4 vectors of
+// 64 bytes; Q4_1: 8 x 2 vectors of nibbles, which each instruction set unpacks its own way).
 struct BlockArgs {
   const float* d;        // the block's scales [64]
   const float* m;        // Q4_1: its minimums [64]; Q8_0: null
@@ -425,9 +425,12 @@ inline void update_portable(const BlockArgs& a, const QuantRows& x, int64_t nb, 
 
 struct PortableDots {
   static constexpr QuantizeFn quantize = quantize_portable;
-  static constexpr bool kUnpacksQ4_1 = false;  // Q4_1's values go through a buffer
-  static void q4_1_values(const uint8_t* v, uint8_t* out) { q4_1_values_portable(v, out); }
-  static void rows(const BlockArgs& a, const QuantRows& x, int64_t m, int64_t k, float* acc) {
+  static void rows(BlockArgs a, const QuantRows& x, int64_t m, int64_t k, float* acc) {
+    uint8_t values[kValueBytes];
+    if (a.m != nullptr) {
+      q4_1_values_portable(a.values, values);
+      a.values = values;
+    }
     for (int64_t r = 0; r < m; ++r) {
       const int8_t* xq = x.q + r * k + a.block * kQuantK;
       int32_t isum[kWidth] = {};
@@ -461,11 +464,13 @@ __attribute__((target("avx2,fma"))) void q4_1_values_avx2(const uint8_t* v, uint
       }
 }
 
-template <bool kQ4>
+// `kNibbles`: `a.values` holds Q4_1's nibbles as stored, unpacked here in registers.
+template <bool kQ4, bool kNibbles = false>
 __attribute__((target("avx2,fma"))) void row_avx2(const BlockArgs& a, const QuantRows& x,
                                                   int64_t nb, int64_t r, const int8_t* xq,
                                                   float* acc) {
   const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i low = _mm256_set1_epi8(15);
   __m256i sum[2 * kGroups];
   for (auto& v : sum) v = _mm256_setzero_si256();
   for (int64_t j = 0; j < kQuads; ++j) {
@@ -473,8 +478,15 @@ __attribute__((target("avx2,fma"))) void row_avx2(const BlockArgs& a, const Quan
     std::memcpy(&four, xq + 4 * j, 4);
     const __m256i xb = _mm256_set1_epi32(four);
     for (int v = 0; v < 2 * kGroups; ++v) {
-      const __m256i w =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.values + j * 4 * 64 + 32 * v));
+      __m256i w;
+      if constexpr (kNibbles) {  // 32-byte half v % 2 of vector g = v / 2: vector g / 2's nibbles
+        const int g = v / 2, half = v % 2;
+        const __m256i b = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(a.values + (2 * j + g / 2) * 64 + 32 * half));
+        w = _mm256_and_si256(g % 2 ? _mm256_srli_epi16(b, 4) : b, low);
+      } else {
+        w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.values + j * 4 * 64 + 32 * v));
+      }
       __m256i pairs;
       if (kQ4) {
         pairs = _mm256_maddubs_epi16(w, xb);
@@ -498,10 +510,17 @@ __attribute__((target("avx2,fma"))) void row_avx2(const BlockArgs& a, const Quan
 
 struct Avx2Dots {
   static constexpr QuantizeFn quantize = quantize_portable;
-  static constexpr bool kUnpacksQ4_1 = false;
-  static void q4_1_values(const uint8_t* v, uint8_t* out) { q4_1_values_avx2(v, out); }
-  static void rows(const BlockArgs& a, const QuantRows& x, int64_t m, int64_t k, float* acc) {
+  static void rows(BlockArgs a, const QuantRows& x, int64_t m, int64_t k, float* acc) {
     const int64_t nb = k / kQuantK;
+    // One row of Q4_1 (plain decoding) unpacks in registers: through the buffer, plain decoding
+    // of the embedded target took 3.4% longer. Several rows share the buffer's one unpacking.
+    if (a.m != nullptr && m == 1)
+      return row_avx2<true, true>(a, x, nb, 0, x.q + a.block * kQuantK, acc);
+    alignas(64) uint8_t values[kValueBytes];
+    if (a.m != nullptr) {
+      q4_1_values_avx2(a.values, values);
+      a.values = values;
+    }
     for (int64_t r = 0; r < m; ++r) {
       const int8_t* xq = x.q + r * k + a.block * kQuantK;
       if (a.m != nullptr)
@@ -535,9 +554,9 @@ __attribute__((target(PSPEC_VNNI))) void quantize_avx512(const float* x, int64_t
   }
 }
 
-// Q4_1's values are unpacked in registers, quad by quad (`kQ4`: `a.values` holds the block's
-// nibbles as stored). Stored to a buffer and loaded back instead, they made plain decoding of
-// the embedded target 4% slower, and its drafted rounds 1-3%.
+// Q4_1's nibbles are unpacked in registers, quad by quad, for every group of rows. Stored to a
+// buffer and loaded back instead, they made plain decoding of the embedded target 4% slower,
+// and its drafted rounds 1-3%.
 template <int R, bool kQ4>
 __attribute__((target(PSPEC_VNNI), always_inline)) inline void rows_avx512(
     const BlockArgs& a, const QuantRows& x, int64_t k, int64_t r0, float* acc) {
@@ -584,7 +603,6 @@ __attribute__((target(PSPEC_VNNI), always_inline)) inline void rows_avx512(
 
 struct Avx512Dots {
   static constexpr QuantizeFn quantize = quantize_avx512;
-  static constexpr bool kUnpacksQ4_1 = true;  // `rows` takes Q4_1's nibbles as stored
   __attribute__((target(PSPEC_VNNI))) static void rows(const BlockArgs& a, const QuantRows& x,
                                                        int64_t m, int64_t k, float* acc) {
     if (a.m != nullptr)
@@ -614,7 +632,6 @@ void panel_quantised(const Problem& p, int64_t panel) {
   const uint8_t* blocks = static_cast<const uint8_t*>(p.w) + panel * nb * bytes;
   const uint8_t* end = blocks + nb * bytes;
   alignas(64) float acc[kMaxRows * kWidth];
-  alignas(64) uint8_t values[kValueBytes];
   std::memset(acc, 0, sizeof(float) * p.m * kWidth);
   // Ask memory for the panel's first kAhead blocks at once, then for the block kAhead on
   // before each: a panel's stream (18-48 blocks) is too short for the hardware prefetcher to
@@ -627,13 +644,8 @@ void panel_quantised(const Problem& p, int64_t panel) {
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* src = blocks + b * bytes;
     prefetch(src + kAhead * bytes, src + (kAhead + 1) * bytes);
-    BlockArgs a{block_scales(src), kQ4 ? block_scales(src) + kWidth : nullptr, nullptr, b};
-    if constexpr (kQ4 && !Dots::kUnpacksQ4_1) {
-      Dots::q4_1_values(src + 2 * 4 * kWidth, values);
-      a.values = values;
-    } else {
-      a.values = src + (kQ4 ? 2 : 1) * 4 * kWidth;
-    }
+    const float* scales = block_scales(src);
+    const BlockArgs a{scales, kQ4 ? scales + kWidth : nullptr, src + (kQ4 ? 2 : 1) * 4 * kWidth, b};
     Dots::rows(a, *p.quant, p.m, p.k, acc);
   }
   store_rows(p, panel, acc);
