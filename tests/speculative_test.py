@@ -599,6 +599,52 @@ def test_a_gated_round_leaves_unlikely_drafts_out_of_the_pass(target):
   assert num_accepted.tolist() == [0]
 
 
+@pytest.mark.parametrize("kind", ["pspec", "eagle"])
+def test_the_drafter_takes_in_the_valid_pairs_alone(target, kind):
+  """A round's pairs are as wide as the plan's deepest path; the drafter runs over the fewest
+  leading ones (1, 2, 4, ... or all) that hold every sequence's valid pairs, and drafts and
+  caches what it would over all of them."""
+  from pspec_jax import rounds
+
+  drafter = testing.drafter_for(kind, target).with_head(target)
+  tokens, lengths = testing.padded([[5, 6, 7, 8, 9], [3, 1, 4]], width=8)
+  plan = _plan(decode.DecodeConfig(max_new_tokens=4, tree="paths:0/1/0.0+lookup:6"), drafter)
+  state = decode.init(plan, target, drafter, tokens, lengths, jax.random.key(0))
+  width = plan.max_depth + 1
+  assert width == 7
+  keys = jax.random.split(jax.random.key(1), 2)
+  pairs = propose_lib.Pairs(
+    tokens=jax.random.randint(keys[0], (2, width), 0, target.cfg.vocab_size),
+    features=jax.random.normal(keys[1], (2, width, target.cfg.hidden_size)),
+    count=jnp.asarray([1, 3]),
+  )
+  context = (state.tokens, state.num_tokens)
+
+  def run(p):
+    cache, nodes = propose_lib.propose(drafter, target, state.drafter_cache, p, context, plan.tree)
+    return cache, nodes, p.tokens.shape[1]
+
+  narrowed = rounds._over_valid_pairs(plan, state, pairs, run)
+  whole = run(pairs)
+  assert int(narrowed[2]) == 4  # the branch that ran: 3 valid pairs at most
+  for a, b in zip(jax.tree.leaves(narrowed[1]), jax.tree.leaves(whole[1]), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  cache, full = narrowed[0], whole[0]
+  np.testing.assert_array_equal(cache.lengths, full.lengths)
+  for b, start in enumerate(np.asarray(state.drafter_cache.lengths)):
+    written = slice(start, int(full.lengths[b]))  # the valid pairs' keys/values
+    for x, y in ((cache.k, full.k), (cache.v, full.v)):
+      for xl, yl in zip(jax.tree.leaves(x), jax.tree.leaves(y), strict=True):
+        np.testing.assert_allclose(xl[..., b, written, :, :], yl[..., b, written, :, :], atol=1e-5)
+  one = pairs.replace(count=jnp.asarray([1, 1]))
+  assert int(rounds._over_valid_pairs(plan, state, one, run)[2]) == 1
+  # Pairs wider than a pending buffer (the prompt's) go in whole.
+  wide = pairs.replace(
+    tokens=jnp.tile(pairs.tokens, (1, 3)), features=jnp.tile(pairs.features, (1, 3, 1))
+  )
+  assert int(rounds._over_valid_pairs(plan, state, wide, run)[2]) == 3 * width
+
+
 def _plan(cfg, drafter, width=8):
   return decode.make_plan(cfg, drafter, width)
 
