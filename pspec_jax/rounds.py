@@ -212,10 +212,15 @@ def _prefill(target, drafter, tokens_BW, lengths_B):
     last = jnp.take_along_axis(features, (lengths_B - 1)[:, None, None], axis=1)
     return last, _pad(hidden, 1, width), tuple(_pad(x, 2, width) for x in kv)
 
-  widths = prefill_widths(width)
+  return _at_narrowest(prefill_widths(width), jnp.max(lengths_B), run)
+
+
+def _at_narrowest(widths: list[int], needed: jax.Array, run):
+  """`run(w)` at the narrowest of the ascending `widths` that is at least `needed`, each width
+  its own `lax.switch` branch (one width: no switch)."""
   if len(widths) == 1:
-    return run(width)
-  index = jnp.searchsorted(jnp.asarray(widths), jnp.max(lengths_B))
+    return run(widths[0])
+  index = jnp.searchsorted(jnp.asarray(widths), needed)
   return jax.lax.switch(index, [functools.partial(run, w) for w in widths])
 
 
@@ -546,14 +551,13 @@ def _over_valid_pairs(plan: Plan, state: DecodeState, pairs: Pairs, run):
   width = pairs.tokens.shape[1]
   widths = [w for w in (1 << i for i in range(width.bit_length())) if w < width] + [width]
   wide = width > PENDING_ROUNDS * (plan.max_depth + 1)
-  if len(widths) == 1 or wide or state.drafter_cache is None:
+  if wide or state.drafter_cache is None:
     return run(pairs)
 
   def first(w):
     return run(Pairs(tokens=pairs.tokens[:, :w], features=pairs.features[:, :w], count=pairs.count))
 
-  index = jnp.searchsorted(jnp.asarray(widths), jnp.max(pairs.count))
-  return jax.lax.switch(index, [functools.partial(first, w) for w in widths])
+  return _at_narrowest(widths, jnp.max(pairs.count), first)
 
 
 def draft(
