@@ -114,8 +114,9 @@ def resolve_tree(cfg: DecodeConfig, drafter: Drafter | None) -> tree_lib.Tree:
   if drafter is None:
     return tree_lib.ROOT_ONLY
   d = drafter.cfg
+  greedy = cfg.sampling.greedy
   return tree_specs.parse(
-    d.resolve_tree(cfg.tree or d.tree_for(cfg.sampling.greedy)), cfg.num_draft or d.num_draft
+    d.resolve_tree(cfg.tree or d.tree_for(greedy), greedy), cfg.num_draft or d.num_draft
   )
 
 

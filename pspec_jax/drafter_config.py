@@ -33,6 +33,10 @@ class DrafterConfig:
       can be the faster one there.
     adaptive: the candidate trees (`A|B|...`) the tree `adaptive` chooses from each round;
       "" is `tree_specs.ADAPTIVE`.
+    sampling_adaptive: its candidates at temperature > 0; "" is `adaptive`. A lookup chain
+      of sampled text is seldom accepted, and a set with one makes every round carry its
+      width (the pending pairs, the accepted path), so a set without chains can be the faster
+      one there.
     target_name, vocab_size, hidden_size: identity of the target (checked at load time).
     num_heads, num_kv_heads, head_dim, intermediate_size: the drafter layer's widths.
     num_layers: decoder layers of pspec and eagle (1: EAGLE-1's single layer).
@@ -56,6 +60,7 @@ class DrafterConfig:
   tree: str = "chain"
   sampling_tree: str = ""
   adaptive: str = ""
+  sampling_adaptive: str = ""
   target_name: str
   vocab_size: int
   hidden_size: int
@@ -109,9 +114,12 @@ class DrafterConfig:
         f"DrafterConfig.draft_vocab_size must be in [0, {self.vocab_size}], "
         f"got {self.draft_vocab_size}"
       )
-    for tree in (self.tree, self.sampling_tree, self.adaptive and "adaptive"):
+    for tree in (self.tree, self.sampling_tree):
       if tree:  # fails early on an unknown preset
         tree_specs.parse(self.resolve_tree(tree), self.num_draft)
+    for candidates in (self.adaptive, self.sampling_adaptive):
+      if candidates:
+        tree_specs.parse(f"adaptive:{candidates}", self.num_draft)
 
   @classmethod
   def for_target(cls, kind: str, target: LlamaConfig, **overrides) -> "DrafterConfig":
@@ -167,8 +175,10 @@ class DrafterConfig:
     """The tree this drafter decodes with, greedy or sampling."""
     return self.tree if greedy else self.sampling_tree or self.tree
 
-  def resolve_tree(self, tree: str) -> str:
-    """`tree` with `adaptive` spelled out as this drafter's candidate set."""
-    if tree == "adaptive" and self.adaptive:
-      return f"adaptive:{self.adaptive}"
+  def resolve_tree(self, tree: str, greedy: bool = True) -> str:
+    """`tree` with `adaptive` spelled out as this drafter's candidate set, greedy or
+    sampling."""
+    candidates = self.adaptive if greedy else self.sampling_adaptive or self.adaptive
+    if tree == "adaptive" and candidates:
+      return f"adaptive:{candidates}"
     return tree

@@ -169,6 +169,29 @@ def test_decoding_takes_the_sampling_tree_above_temperature_zero(target, tmp_pat
     medusa.cfg.replace(sampling_tree="bushy")
 
 
+def test_the_adaptive_tree_takes_its_sampling_candidates_above_temperature_zero(target, tmp_path):
+  drafter = make_drafter("eagle", target)
+  drafter = drafter.replace(
+    cfg=drafter.cfg.replace(adaptive="paths:0+lookup:3|chain", sampling_adaptive="paths:0|chain")
+  )
+  drafter_files.save_drafter(str(tmp_path), drafter)
+  loaded = drafter_files.load_drafter(str(tmp_path), target)
+  assert loaded.cfg.sampling_adaptive == "paths:0|chain"  # written and read back
+
+  def pool(temperature):
+    sampled = sampling.SamplingConfig(temperature=temperature)
+    return decode.resolve_tree(decode.DecodeConfig(sampling=sampled, tree="adaptive"), loaded)
+
+  assert pool(0.0) == tree_specs.parse("adaptive:paths:0+lookup:3|chain", 3)
+  assert pool(0.7) == tree_specs.parse("adaptive:paths:0|chain", 3)
+  # Without a sampling set, the greedy one serves at every temperature.
+  plain = loaded.replace(cfg=loaded.cfg.replace(sampling_adaptive=""))
+  sampled = decode.DecodeConfig(sampling=sampling.SamplingConfig(temperature=0.7), tree="adaptive")
+  assert decode.resolve_tree(sampled, plain) == pool(0.0)
+  with pytest.raises(ValueError, match="tree"):
+    loaded.cfg.replace(sampling_adaptive="paths:0|bushy")
+
+
 def test_trees_tuned_for_a_kind_of_device_are_taken_there(target, tmp_path):
   drafter_files.save_drafter(str(tmp_path), make_drafter("pspec", target))
   path = tmp_path / drafter_files.CONFIG_FILE
@@ -176,17 +199,17 @@ def test_trees_tuned_for_a_kind_of_device_are_taken_there(target, tmp_path):
   config["sampling_tree"] = "chain"
   config["device_trees"] = {
     "gpu": {"tree": "sparse16+lookup:6"},
-    "tpu": {"sampling_tree": "lookup"},
+    "tpu": {"sampling_tree": "lookup", "sampling_adaptive": "paths:0|chain"},
   }
   path.write_text(json.dumps(config))
 
   def trees(platform):
     cfg = drafter_files.read_drafter_config(str(tmp_path), target.cfg, platform)
-    return cfg.tree, cfg.sampling_tree
+    return cfg.tree, cfg.sampling_tree, cfg.sampling_adaptive
 
-  assert trees("gpu") == ("sparse16+lookup:6", "chain")  # its entry, else the file's own
-  assert trees("tpu") == ("sparse6", "lookup")
-  assert trees("cpu") == ("sparse6", "chain")  # no entry: the file's trees
+  assert trees("gpu") == ("sparse16+lookup:6", "chain", "")  # its entry, else the file's own
+  assert trees("tpu") == ("sparse6", "lookup", "paths:0|chain")
+  assert trees("cpu") == ("sparse6", "chain", "")  # no entry: the file's trees
   assert drafter_files.load_drafter(str(tmp_path), target).cfg.tree == "sparse6"  # on this CPU
 
 
@@ -518,6 +541,8 @@ def test_resolve_a_saved_drafter_checks_its_kind(target, tmp_path):
     lambda c: c.update(num_draft="x"),
     lambda c: c.update(device_trees={"cpu": {"tree": "bushy"}}),
     lambda c: c.update(device_trees={"gpu": {"sampling_tree": "bushy"}}),  # not this device's
+    lambda c: c.update(device_trees={"tpu": {"sampling_adaptive": "chain|bushy"}}),
+    lambda c: c.update(sampling_adaptive="adaptive"),
     lambda c: c.update(device_trees={"cpu": {"tree_for_gpu": "chain"}}),
     lambda c: c.update(device_trees={"gpu": "chain"}),
     lambda c: c.update(device_trees=["cpu"]),

@@ -15,6 +15,7 @@ _FREE_FIELDS = (
   "tree",
   "sampling_tree",
   "adaptive",
+  "sampling_adaptive",
   "max_ngram",
   "dtype",
   "param_dtype",
