@@ -23,6 +23,9 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   config.num_prompts = 8
   config.max_prompt_tokens = 512  # longer prompts of a set are passed over
   config.max_new_tokens = 128
+  # Each prompt is decoded this many times by every setting in turn, and timed by the median:
+  # one decode on a shared machine can take tens of percent longer than the next.
+  config.turns = 3
   config.temperature = "0"  # list
   config.batch_size = "1"  # list
   config.num_draft = ""  # list of K; "" is each drafter's own
@@ -51,6 +54,7 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
     config.methods = "none,pld,pspec"
     config.num_prompts = 2
     config.max_new_tokens = 8
+    config.turns = 1
     config.step_profile = False
   elif variant == "ablation":
     config.methods = "none,pld,eagle,pspec"

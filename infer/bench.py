@@ -57,8 +57,8 @@ def _values(value, kind) -> list:
 def check_config(config) -> tuple[list, list, list, list, list, list]:
   """Everything the config says that needs no model, checked the same way by a run and by
   `--dry_run`: (methods, temperatures, batch sizes, Ks, trees, draft rules)."""
-  if config.num_prompts < 1 or config.max_new_tokens < 1:
-    raise ValueError("num_prompts and max_new_tokens must be >= 1")
+  if min(config.num_prompts, config.max_new_tokens, config.turns) < 1:
+    raise ValueError("num_prompts, max_new_tokens and turns must be >= 1")
   methods = _values(config.methods, str)
   known = measure.OUR_METHODS + measure.HF_METHODS
   unknown = sorted(set(methods) - set(known))
@@ -233,7 +233,9 @@ def run(config, progress=True) -> dict:
     head = prompts[s.dataset][: config.phase_prompts]
     return measure.phase_shares(target, drafters.get(s.method), head, decode_config(s))
 
-  rows = measure.measure(settings, runners, prompts, config.seed, time_split, progress)
+  rows = measure.measure(
+    settings, runners, prompts, config.seed, time_split, progress, turns=config.turns
+  )
 
   meta = dict(
     machine=platform.platform(),

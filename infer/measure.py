@@ -219,13 +219,22 @@ class HFMethod:
     return Outcome(tokens=[out[0, len(ids) :].tolist()])
 
 
-def measure(settings, runners, prompts, seed, time_split=None, progress=True) -> list[dict]:
+def measure(
+  settings, runners, prompts, seed, time_split=None, progress=True, turns: int = 1
+) -> list[dict]:
   """The result rows of `settings`, each decoded by `runners[setting]` over `prompts[dataset]`.
 
   Settings are compared within a family (dataset, temperature, batch size), whose every
-  setting decodes the same prompt batches; one family is compiled and run at a time.
-  `time_split(setting)`, if given, adds a row's draft / verify / commit shares.
+  setting decodes the same prompt batches; one family is compiled and run at a time. Each
+  prompt batch is decoded `turns` times by every setting in turn, in the family's order and
+  then in reverse, so that no setting always runs first; a batch's time is the median over its
+  turns (each turn decodes the same tokens: the same prompts and key). On a shared machine one
+  decode of a prompt can take tens of percent longer than the next; a median over turns
+  leaves such hiccups out. `time_split(setting)`, if given, adds a row's draft / verify /
+  commit shares.
   """
+  if turns < 1:
+    raise ValueError(f"turns must be at least 1, got {turns}")
   families = {}
   for s in settings:
     families.setdefault((s.dataset, s.temperature, s.batch_size), []).append(s)
@@ -238,14 +247,20 @@ def measure(settings, runners, prompts, seed, time_split=None, progress=True) ->
     for s in tqdm(family, desc="compile", file=sys.stderr, disable=not progress):
       for batch in {len(b): b for b in family_batches}.values():
         runners[s](batch, jax.random.key(seed))
-    # Interleaved: for each prompt batch, every setting in turn.
+    # Interleaved: for each prompt batch, every setting in turn, `turns` times.
     for index, batch in enumerate(
       tqdm(family_batches, desc="prompts", file=sys.stderr, disable=not progress)
     ):
       key = jax.random.fold_in(jax.random.key(seed), index)
+      times = {s: [] for s in family}
+      outcomes = {}
+      for turn in range(turns):
+        for s in family if turn % 2 == 0 else family[::-1]:
+          outcome, seconds = timed(runners[s], batch, key)
+          outcomes.setdefault(s, outcome)
+          times[s].append(seconds)
       for s in family:
-        outcome, seconds = timed(runners[s], batch, key)
-        records[s].append((seconds, outcome))
+        records[s].append((statistics.median(times[s]), outcomes[s]))
     if time_split is not None:
       for s in tqdm(family, desc="time split", file=sys.stderr, disable=not progress):
         shares[s] = time_split(s)

@@ -130,7 +130,8 @@ BAD_SETTINGS = [
   (dict(temperature="-1"), "temperatures must be >= 0"),
   (dict(batch_size="two"), "expected comma-separated ints"),
   (dict(tree="bushy"), "unknown tree 'bushy'"),
-  (dict(num_prompts=0), "num_prompts and max_new_tokens must be >= 1"),
+  (dict(num_prompts=0), "num_prompts, max_new_tokens and turns must be >= 1"),
+  (dict(turns=0), "num_prompts, max_new_tokens and turns must be >= 1"),
   (dict(drafts="q"), "unknown drafts 'q'"),
 ]
 
@@ -175,6 +176,44 @@ def test_rows_pool_tau_and_check_losslessness_only_when_greedy():
   records[hf] = [(2.0, wrong)]
   assert measure._row(hf, records, None, same_model=False)["lossless"] is None
   assert measure._row(hf, records, None)["lossless"] is False
+
+
+def test_each_prompt_takes_turns_in_both_orders_and_is_timed_by_its_median(monkeypatch):
+  """Three turns of two settings on two prompts: every setting decodes each prompt three times,
+  the first turn in the family's order, the second reversed; a prompt's time is its median, so
+  one slow decode (a hiccup on the machine) moves nothing."""
+  base = measure.Setting("none", "mt_bench", 0.0, 1, 0, "")
+  spec = measure.Setting("pspec", "mt_bench", 0.0, 1, 3, "chain")
+  calls, warm = [], set()
+  usual = {"none": 1.0, "pspec": 2.0}  # seconds a decode of one prompt takes
+  slow = {("none", 1, 1), ("pspec", 0, 2)}  # (method, prompt, turn) hit by a hiccup: 9 s
+
+  def runner(method):
+    def run(batch, key):
+      prompt = batch[0][0]
+      if method in warm:  # the first call compiles and warms up, untimed
+        calls.append((method, prompt))
+      warm.add(method)
+      return measure.Outcome([[prompt] * 3])
+
+    return run
+
+  def timed(fn, *args):
+    out = fn(*args)
+    method, prompt = calls[-1]
+    turn = calls.count(calls[-1]) - 1
+    return out, 9.0 if (method, prompt, turn) in slow else usual[method]
+
+  monkeypatch.setattr(measure, "timed", timed)
+  runners = {base: runner("none"), spec: runner("pspec")}
+  prompts = {"mt_bench": [[0], [1]]}
+  rows = measure.measure([base, spec], runners, prompts, seed=0, progress=False, turns=3)
+  order = [("none", 0), ("pspec", 0), ("pspec", 0), ("none", 0), ("none", 0), ("pspec", 0)]
+  assert calls == order + [(m, 1) for m, _ in order]
+  assert [r["seconds"] for r in rows] == [2.0, 4.0]
+  assert rows[1]["speedup"] == pytest.approx(0.5) and rows[0]["tokens"] == 6
+  with pytest.raises(ValueError, match="turns must be at least 1, got 0"):
+    measure.measure([base], runners, prompts, seed=0, progress=False, turns=0)
 
 
 def test_rows_and_report_count_how_often_each_adaptive_candidate_was_chosen():
