@@ -169,7 +169,11 @@ def init(
     node_tokens=jnp.zeros((batch, 1), jnp.int32),
     node_logp=jnp.zeros((batch, 1), jnp.float32),
     draft_logq=jnp.zeros((batch, 1, 1), jnp.float32),
-    adapt=adaptive.init_stats(pool, batch, plan.costs) if pool.candidates else None,
+    adapt=(
+      adaptive.init_stats(pool, batch, plan.costs, plan.sampling.greedy)
+      if pool.candidates
+      else None
+    ),
   )
   # Prompt pair t is (h_t, x_{t+1}); the last one carries the first bonus token.
   pairs = Pairs(tokens=tokens[:, 1 : width + 1], features=hidden, count=prompt_lengths)
