@@ -116,10 +116,7 @@ def _generate(plan, target, drafter, prompt_tokens, prompt_lengths, key):
     # gathered here, once per call, not every round.
     drafter = drafter.with_head(target)
   state = rounds.init(plan, target, drafter, prompt_tokens, prompt_lengths, key)
-  state = jax.lax.while_loop(
-    lambda s: ~jnp.all(s.done), lambda s: rounds.round_step(plan, target, drafter, s), state
-  )
-  return finish(plan, state)
+  return finish(plan, rounds.run(plan, target, drafter, state))
 
 
 # The library's jitted entry points, the plan static. `stream` donates the state it steps.

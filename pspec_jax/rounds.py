@@ -6,8 +6,8 @@ the token tree (3.3: static, dynamic or gated, with a prompt-lookup chain when t
 repeats), verifies it in one target pass that leaves out the parts no sequence has (3.4),
 accepts a path and a new bonus token, greedy or lossless sampling (3.5), commits the path's
 keys/values and tokens, cut at EOS and the budget (3.6), and feeds the accepted pairs to the
-drafter, which proposes the next tree. An adaptive tree drafts and verifies the candidate its
-statistics chose (3.7).
+drafter, which proposes the next tree. An adaptive tree's round drafts, verifies and commits the
+candidate its statistics chose, each option in a loop of its own (3.7).
 
 Every function takes the plan first, then whichever of target, drafter and state it uses:
 `init(plan, target, drafter, tokens, lengths, key)`, `verify(plan, target, drafter, state)`,
@@ -42,7 +42,9 @@ __all__ = [
   "commit",
   "draft",
   "init",
+  "option_round",
   "round_step",
+  "run",
   "verify",
 ]
 
@@ -177,15 +179,8 @@ def init(
   )
   # Prompt pair t is (h_t, x_{t+1}); the last one carries the first bonus token.
   pairs = Pairs(tokens=tokens[:, 1 : width + 1], features=hidden, count=prompt_lengths)
-  if pool.candidates and state.drafter_cache is not None:
-    rows = PENDING_ROUNDS * (plan.max_depth + 1)
-    state = state.replace(
-      pending=Pairs(
-        tokens=jnp.zeros((batch, rows), jnp.int32),
-        features=jnp.zeros((batch, rows, hidden.shape[-1]), hidden.dtype),
-        count=jnp.zeros((batch,), jnp.int32),
-      )
-    )
+  if pool.candidates:
+    return _constrain_state(plan, _init_adaptive(plan, target, drafter, state, pairs))
   return _constrain_state(plan, draft(plan, target, drafter, state, pairs))
 
 
@@ -240,7 +235,7 @@ def verify(
   the tree's, by a round that verifies them because some sequence found one: the chain is then
   part of the pass. (`round_step` runs a round whose chains nobody found as the drafted tree
   alone, `_round_lookup`.) An adaptive tree's round verifies inside `round_step`
-  (`_round_adaptive`).
+  (`option_round`).
   """
   if plan.tree.candidates:
     raise ValueError(
@@ -343,55 +338,6 @@ def _run_nodes(target, drafter, state, tree, node_tokens, nodes):
   return jax.tree.map(lambda x, axis: _spread(x, axis, index, num_nodes), out, (1, (2, 2), 1))
 
 
-def _round_adaptive(plan, target, drafter, state) -> tuple[DecodeState, Pairs]:
-  """Steps 1-4 of an adaptive round. The chosen candidate is verified and accepted as the fixed
-  tree it is, over its own nodes (read from the union's at `adaptive.union_nodes`), in one
-  `lax.switch` branch per option: each candidate's drafted tree alone, and the candidate with
-  its lookup chain where it has one (a chain left out of the round is then no part of the
-  pass at all: leaving it out inside the pass cost eagle's `paths:0` rounds 2-9% of a plain
-  round). Nothing runs at the union's width, so a round costs about what the option's fixed
-  round costs. The branch returns the accepted path's rows, padded to the
-  union's longest path, and the commit writes them outside the switch (a cache passed through a
-  branch is copied); the statistics observe what it verified and accepted."""
-  pool = plan.tree
-  batch = state.tokens.shape[0]
-  lookup = None
-  if pool.lookup:  # found once for every candidate's chain
-    chains, found = _find_chains(state, pool.lookup)
-    lookup = chains, found & state.adapt.chain  # a chain left out this round is not found
-  nodes_C = adaptive.union_nodes(pool)
-  noise = _bonus_noise(plan, target, state)
-
-  def run(c, chain):
-    cand = pool.candidates[c]
-    nodes = nodes_C[c]
-    drafted = nodes[: cand.num_nodes]
-    if not chain:  # the drafted tree alone: no lookup part to leave out of the pass
-      cand, nodes = cand.drafted, drafted
-    s = state.replace(
-      node_tokens=state.node_tokens[:, drafted], node_logp=state.node_logp[:, drafted]
-    )
-    if plan.drawn and cand.depth > 0:
-      s = s.replace(draft_logq=state.draft_logq[:, _draw_rows(plan.kind, pool, cand)])
-    on, verified, path = _round_as(plan, cand, target, drafter, s, lookup if chain else None, noise)
-    reached = adaptive.reachable(verified.tree, cand.max_depth)
-    reach = jnp.zeros((batch, pool.num_nodes + pool.lookup), jnp.bool_).at[:, nodes].set(reached)
-    return on, _pad(jnp.asarray(nodes)[path], 1, plan.max_depth + 1), reach
-
-  # One branch per option: each candidate without its chain, and with it where it has one.
-  num = len(pool.candidates)
-  chained = [c for c, cand in enumerate(pool.candidates) if cand.lookup]
-  options = [(c, False) for c in range(num)] + [(c, True) for c in chained]
-  branch = np.repeat(np.arange(num, dtype=np.int32)[:, None], 2, axis=1)
-  branch[chained, 1] = num + np.arange(len(chained))
-  which = jnp.asarray(branch)[state.adapt.choice, state.adapt.chain.astype(jnp.int32)]
-  branches = [functools.partial(run, c, chain) for c, chain in options]
-  on, path, reach = jax.lax.switch(which, branches)
-  stats = adaptive.observe(state.adapt, pool, reach, path, on.num_accepted, ~state.done)
-  state, pairs = _write_path(plan, state, on)
-  return state.replace(adapt=stats), pairs
-
-
 def _round_lookup(plan, target, drafter, state) -> tuple[DecodeState, Pairs]:
   """Steps 1-4 of a round of a fixed tree with a lookup chain: the tree with its chain where a
   sequence found one, else the drafted tree alone, each its own branch of a `lax.cond`. Left
@@ -403,27 +349,25 @@ def _round_lookup(plan, target, drafter, state) -> tuple[DecodeState, Pairs]:
   noise = _bonus_noise(plan, target, state)
   on = jax.lax.cond(
     jnp.any(lookup[1][:, 0]),
-    lambda: _round_as(plan, pool, target, drafter, state, lookup, noise)[0],
-    lambda: _round_as(plan, pool.drafted, target, drafter, state, None, noise)[0],
+    lambda: _round_as(plan, pool, target, drafter, state, lookup, noise),
+    lambda: _round_as(plan, pool.drafted, target, drafter, state, None, noise),
   )
   return _write_path(plan, state, on)
 
 
 def _round_as(plan, tree, target, drafter, state, lookup, noise):
-  """Steps 1-3 of a round of `plan`, verified and accepted as the fixed `tree` (one of the
-  plan's options, with `state`'s drafts for its nodes): (what it accepted, padded to the
-  plan's longest path; the verified tree; the accepted path [B, P + 1] of `tree`'s nodes)."""
+  """Steps 1-3 of a round of `plan`, verified and accepted as `tree` (the plan's tree with its
+  chain, or without): what it accepted, padded to the plan's longest path."""
   fixed = dataclasses.replace(plan, tree=tree, costs=(), drawn=plan.drawn and tree.depth > 0)
   verified = verify(fixed, target, drafter, state, lookup)
   accepted = accept_path(fixed, state, verified, noise)
   on = _on_path(verified, accepted)
   width = plan.max_depth + 1
-  on = on.replace(
+  return on.replace(
     tokens=_pad(on.tokens, 1, width),
     kv=tuple(_pad(x, 2, width) for x in on.kv),
     features=_pad(on.features, 1, width),
   )
-  return on, verified, accepted[0]
 
 
 def _pad(x: jax.Array, axis: int, size: int) -> jax.Array:
@@ -433,7 +377,7 @@ def _pad(x: jax.Array, axis: int, size: int) -> jax.Array:
 
 def _bonus_noise(plan, target, state) -> jax.Array | None:
   """The round's bonus draw's noise when sampling (`accept.bonus_noise`), drawn before a round
-  switches between its options: inside a branch, threefry costs a CPU round far more."""
+  branches (`_round_lookup`): inside a branch, threefry costs a CPU round far more."""
   if plan.sampling.greedy:
     return None
   return bonus_noise(_round_key(state), (state.tokens.shape[0], target.cfg.vocab_size))
@@ -534,7 +478,7 @@ def _write_path(plan, state, on: OnPath) -> tuple[DecodeState, Pairs]:
     tokens=tokens,
     step=step,
     rounds=state.rounds + active,
-    accepted=state.accepted + (jnp.arange(depth)[None, :] < kept[:, None] - 1),
+    accepted=state.accepted + (jnp.arange(state.accepted.shape[1])[None, :] < kept[:, None] - 1),
     done=state.done | (active & finished),
   )
   pairs = Pairs(tokens=new, features=on.features, count=kept)
@@ -574,7 +518,9 @@ def draft(
   pool = plan.tree
   draw = _draw(plan, state)
   if pool.candidates:
-    return _draft_adaptive(plan, target, drafter, state, pairs, draw)
+    raise ValueError(
+      "an adaptive tree drafts each round's candidate inside the round: run round_step"
+    )
   drafter_cache, nodes = _over_valid_pairs(
     plan,
     state,
@@ -596,121 +542,176 @@ def _draw(plan: Plan, state: DecodeState) -> Draw | None:
   return Draw(plan.sampling, jax.random.fold_in(stream, state.step))
 
 
-def _draw_rows(kind: str, pool: tree_lib.Tree, cand: tree_lib.Tree) -> np.ndarray:
-  """The union's rows of q (`draw_tables`) that candidate `cand`'s rows of q fill: its depths'
-  (pspec, medusa) or its parents', by their union node indices (eagle)."""
-  if kind != "eagle":
-    return np.arange(cand.depth)
-  union = {p: i + 1 for i, p in enumerate(pool.paths)}
-  nodes = [0] + [union[p] for p in cand.paths]
-  return np.asarray(nodes[: int((cand.arrays.depth < cand.depth).sum())])
+def _options(pool: tree_lib.Tree) -> list[tuple[int, bool]]:
+  """The (candidate, chain) options of an adaptive round: each candidate without its lookup
+  chain, and with it where it has one."""
+  chained = [(c, True) for c, cand in enumerate(pool.candidates) if cand.lookup]
+  return [(c, False) for c in range(len(pool.candidates))] + chained
 
 
-def _union_rows(kind: str, pool: tree_lib.Tree) -> int:
-  """How many rows of q the union's `draw_tables` index."""
-  return int(draw_tables(kind, pool).max()) + 1
+def _adaptive_rounds(plan, target, drafter, state, stop=None) -> DecodeState:
+  """An adaptive tree's rounds until every sequence is done (or the state's step reaches
+  `stop`): a loop whose body is one `lax.while_loop` per option, each running rounds of its
+  option (`option_round`) for as long as the statistics keep choosing it. A round is then its
+  option's fixed round, with no switch between options around it (a switch cost the root
+  alone's rounds 4-9% of a plain round on a 2-core CPU, docs/design.md section 3.7), and the
+  caches stay in place: a while loop updates its buffers in place, where a branch of a switch
+  that returns a cache copies it."""
+  pool = plan.tree
+
+  def running(s):
+    go = ~jnp.all(s.done)
+    return go if stop is None else go & (s.step < stop)
+
+  def option_loop(s, c, chain):
+    def chosen(s):
+      return running(s) & (s.adapt.choice == c) & (s.adapt.chain == chain)
+
+    body = functools.partial(option_round, plan, target, drafter, (c, chain))
+    return jax.lax.while_loop(chosen, body, s)
+
+  def each_option(s):
+    for c, chain in _options(pool):
+      s = option_loop(s, c, chain)
+    return s
+
+  return jax.lax.while_loop(running, each_option, state)
 
 
-def _pending(pending: Pairs | None, pairs: Pairs) -> tuple[Pairs | None, jax.Array | bool]:
-  """`pairs` after the `pending` ones, in the pending buffer's width, and whether a round that
-  drafts nothing may leave them pending (room remains for another round's pairs). (None, False)
-  without a buffer, or for pairs wider than a round's (the prompt's, at the prefill)."""
-  if pending is None:
-    return None, False
+def option_round(
+  plan: Plan, target: Target, drafter: Drafter, option: tuple[int, bool], state: DecodeState
+) -> DecodeState:
+  """One round of an adaptive tree with `option`: (candidate c, whether its lookup chain is
+  verified). The candidate drafts from the pending pairs (the root alone drafts nothing), is
+  verified, accepted and committed as the fixed tree it is; the statistics observe what it
+  verified and accepted, and choose the next round's option. `round_step` runs the option the
+  statistics chose; calibration times each."""
+  pool = plan.tree
+  c, chain = option
+  cand = pool.candidates[c] if chain else pool.candidates[c].drafted
+  fixed = dataclasses.replace(plan, tree=cand, costs=(), drawn=plan.drawn and cand.depth > 0)
+  drafts, drafter_cache = _draft_option(plan, fixed, target, drafter, state)
+  lookup = _find_chains(state, cand.lookup) if chain else None
+  verified = verify(fixed, target, drafter, drafts, lookup)
+  accepted = accept_path(fixed, state, verified)
+  nodes = jnp.asarray(adaptive.union_nodes(pool)[c][: cand.num_nodes + cand.lookup])
+  reach = jnp.zeros(accepted[1].shape + (pool.num_nodes + pool.lookup,), jnp.bool_)
+  reach = reach.at[:, nodes].set(adaptive.reachable(verified.tree, cand.max_depth))
+  path = _pad(nodes[accepted[0]], 1, plan.max_depth + 1)
+  active = ~state.done
+  ran = state.adapt.replace(choice=jnp.int32(c))  # the option run, whatever was chosen
+  stats = adaptive.observe(ran, pool, reach, path, accepted[1], active)
+  state, pairs = _write_path(
+    fixed, state.replace(drafter_cache=drafter_cache), _on_path(verified, accepted)
+  )
+  state = _take_pairs(plan, fixed, target, drafter, state, pairs)
+  found = jnp.zeros(active.shape, jnp.bool_)
+  if pool.lookup:
+    found = _find_chains(state, 1)[1][:, 0]
+  next_choice, next_chain = adaptive.choose(stats, pool, found, ~state.done)
+  stats = stats.replace(choice=next_choice, chain=next_chain)
+  return _constrain_state(plan, state.replace(adapt=stats))
+
+
+def _draft_option(plan, fixed, target, drafter, state) -> tuple[DecodeState, KVCache | None]:
+  """The state whose drafted nodes are option `fixed.tree`'s, drafted from the pending pairs
+  (which its pass takes in), and the drafter's cache after it; the root alone drafts nothing
+  and leaves the pairs pending."""
+  tree = fixed.tree
+  if tree.depth == 0:
+    return state, state.drafter_cache
+  draw = _draw(fixed, state)
+  context = (state.tokens, state.num_tokens)
+  cache, nodes = _over_valid_pairs(
+    plan,
+    state,
+    state.pending,
+    lambda p: propose(drafter, target, state.drafter_cache, p, context, tree, draw),
+  )
+  drafts = state.replace(node_tokens=nodes[0], node_logp=nodes[1])
+  return (drafts.replace(draft_logq=nodes[2]) if draw is not None else drafts), cache
+
+
+def _take_pairs(plan, fixed, target, drafter, state, pairs: Pairs) -> DecodeState:
+  """The state with a round's new pairs pending. A drafter without a cache reads the last
+  round's pairs alone. A drafter with one took the pending pairs in with its pass if the round
+  drafted; a round that did not adds its pairs to them, and once the buffer has no room left
+  for the widest round's, a feed takes them all in."""
+  width = state.pending.tokens.shape[1]
+  empty = state.pending.replace(count=jnp.zeros_like(state.pending.count))
+  if state.drafter_cache is None or fixed.tree.depth > 0:
+    return state.replace(pending=_merged(empty, pairs))
+  pending = _merged(state.pending, pairs)
+
+  def fed():
+    run = lambda p: feed(drafter, target, state.drafter_cache, p)
+    return _over_valid_pairs(plan, state, pending, run), empty
+
+  full = jnp.max(pending.count) > width - (plan.max_depth + 1)
+  cache, pending = jax.lax.cond(full, fed, lambda: (state.drafter_cache, pending))
+  return state.replace(drafter_cache=cache, pending=pending)
+
+
+def _merged(pending: Pairs, pairs: Pairs) -> Pairs:
+  """`pairs` after the `pending` ones, in the pending buffer's width."""
   width, new = pending.tokens.shape[1], pairs.tokens.shape[1]
-  if new > width // PENDING_ROUNDS:
-    # The prompt's pairs: fed (or drafted from) at once, as without a buffer, and the buffer
-    # starts empty.
-    return None, False
   j = jnp.arange(width)[None, :]
   after = j >= pending.count[:, None]
   source = jnp.clip(j - pending.count[:, None], 0, new - 1)
-  merged = Pairs(
+  return Pairs(
     tokens=jnp.where(after, take_rows(pairs.tokens, source), pending.tokens),
     features=jnp.where(after[..., None], take_rows(pairs.features, source), pending.features),
     count=pending.count + pairs.count,
   )
-  return merged, jnp.max(merged.count) <= width - new
 
 
-def _draft_adaptive(plan, target, drafter, state, pairs, draw) -> DecodeState:
-  """Chooses the next round's candidate (`adaptive.choose`) and drafts its nodes alone, placed
-  at their indices in the union tree; the root alone drafts nothing. Drawn from q (`draw`), the
-  candidate's rows of q go to the union's rows its nodes index (`_draw_rows`), so that
-  verification reads one table whatever the choice; the choice never depends on the draws."""
-  pool = plan.tree
-  context = (state.tokens, state.num_tokens)
+def _init_adaptive(plan, target, drafter, state, pairs: Pairs) -> DecodeState:
+  """An adaptive tree's state after the prefill: the prompt's pairs but the last in the
+  drafter's cache (if it has one), the last pending (the first round drafts from it), and the
+  first round's option chosen."""
   batch = state.tokens.shape[0]
-  found = jnp.zeros((batch,), jnp.bool_)
-  if pool.lookup:
-    found = _find_chains(state, 1)[1][:, 0]
-  choice, chain = adaptive.choose(state.adapt, pool, found, ~state.done)
-
-  num_rows = _union_rows(plan.kind, pool) if draw is not None else 1
-  vocab = target.cfg.vocab_size if draw is not None else 1
-  no_logq = jnp.zeros((batch, num_rows, vocab), jnp.float32)
-  # The pending pairs, then this round's: what the drafter has not taken in yet.
-  pending, wait = _pending(state.pending, pairs)
-  none_pending = None if pending is None else pending.replace(count=jnp.zeros_like(pending.count))
-
-  def fed(pairs):
-    return _over_valid_pairs(
-      plan, state, pairs, lambda p: feed(drafter, target, state.drafter_cache, p)
-    )
-
-  def drafted(cand):
-    if not cand.paths:
-      if pending is None:
-        cache, left = fed(pairs), None
-      else:  # wait while the buffer has room for the next round's pairs, else take them in
-        cache, left = jax.lax.cond(
-          wait, lambda: (state.drafter_cache, pending), lambda: (fed(pending), none_pending)
-        )
-      return (
-        cache,
-        jnp.zeros((batch, pool.num_nodes), jnp.int32),
-        jnp.zeros((batch, pool.num_nodes)),
-        no_logq,
-        left,
-      )
-    taken = pairs if pending is None else pending
-    cache, nodes = _over_valid_pairs(
-      plan,
-      state,
-      taken,
-      lambda p: propose(drafter, target, state.drafter_cache, p, context, cand, draw),
-    )
-    index = adaptive.union_nodes(pool)[shapes.index(cand)][: cand.num_nodes]
-    place = lambda x: jnp.zeros((batch, pool.num_nodes), x.dtype).at[:, index].set(x)
-    logq = no_logq
-    if draw is not None:
-      logq = logq.at[:, _draw_rows(plan.kind, pool, cand)].set(nodes[2].astype(jnp.float32))
-    return cache, place(nodes[0]), place(nodes[1].astype(jnp.float32)), logq, none_pending
-
-  # One branch per distinct drafted part (candidates differing in their lookup chain share one).
-  shapes = [tree_lib.Tree(paths=c.paths) for c in pool.candidates]
-  unique = list(dict.fromkeys(shapes))
-  which = jnp.asarray([unique.index(t) for t in shapes], jnp.int32)
-  branches = [functools.partial(drafted, t) for t in unique]
-  cache, node_tokens, node_logp, logq, left = jax.lax.switch(which[choice], branches)
-  state = state.replace(
-    drafter_cache=cache,
-    node_tokens=node_tokens,
-    node_logp=node_logp,
-    adapt=state.adapt.replace(choice=choice, chain=chain),
-    pending=state.pending if pending is None else left,
+  rows = PENDING_ROUNDS * (plan.max_depth + 1)
+  empty = Pairs(
+    tokens=jnp.zeros((batch, rows), jnp.int32),
+    features=jnp.zeros((batch, rows, pairs.features.shape[-1]), pairs.features.dtype),
+    count=jnp.zeros((batch,), jnp.int32),
   )
-  return state.replace(draft_logq=logq) if draw is not None else state
+  last = Pairs(
+    tokens=pairs.last(pairs.tokens),
+    features=pairs.last(pairs.features),
+    count=jnp.ones_like(pairs.count),
+  )
+  cache = state.drafter_cache
+  if cache is not None:
+    cache = feed(drafter, target, cache, pairs.replace(count=pairs.count - 1))
+  found = jnp.zeros((batch,), jnp.bool_)
+  if plan.tree.lookup:
+    found = _find_chains(state, 1)[1][:, 0]
+  choice, chain = adaptive.choose(state.adapt, plan.tree, found, ~state.done)
+  return state.replace(
+    drafter_cache=cache,
+    pending=_merged(empty, last),
+    adapt=state.adapt.replace(choice=choice, chain=chain),
+  )
 
 
 def round_step(
   plan: Plan, target: Target, drafter: Drafter | None, state: DecodeState
 ) -> DecodeState:
-  """One round: verify the drafted tree, accept and commit, draft the next tree."""
+  """One round: verify the drafted tree, accept and commit, draft the next tree (an adaptive
+  tree's round drafts its candidate first, `option_round`)."""
   if plan.tree.candidates:
-    state, pairs = _round_adaptive(plan, target, drafter, state)
-  elif plan.tree.lookup:
+    return _adaptive_rounds(plan, target, drafter, state, stop=state.step + 1)
+  if plan.tree.lookup:
     state, pairs = _round_lookup(plan, target, drafter, state)
   else:
     state, pairs = commit(plan, state, verify(plan, target, drafter, state))
   return _constrain_state(plan, draft(plan, target, drafter, state, pairs))
+
+
+def run(plan: Plan, target: Target, drafter: Drafter | None, state: DecodeState) -> DecodeState:
+  """Rounds until every sequence is done: `decode.generate`'s loop."""
+  if plan.tree.candidates:
+    return _adaptive_rounds(plan, target, drafter, state)
+  step = functools.partial(round_step, plan, target, drafter)
+  return jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pspec_jax import adaptive, decode, testing, tree_specs
+from pspec_jax import adaptive, decode, propose, testing, tree_specs
+from pspec_jax.drafter import read_target
 
 KINDS = ("pspec", "eagle", "medusa", "pld")
 TREES = ("adaptive", "adaptive:paths:0/1|chain+lookup:3|lookup:2")
@@ -51,34 +52,42 @@ def test_adaptive_greedy_equals_plain_greedy(target, kind, tree, rows):
 @pytest.mark.parametrize("kind", ["pspec", "eagle"])
 def test_rounds_that_draft_nothing_leave_their_pairs_pending(target, kind):
   """Rounds that verify no drafted node do not run the drafter: their pairs wait in a buffer
-  and go in with the next drafting round's pass (or a feed once it fills). Every round's drafts
-  are those the drafter gives when it takes in every round's pairs at once."""
-  drafter = testing.drafter_for(kind, target)
+  and go in with the next drafting round's pass (or a feed once it fills). Every pair is in the
+  drafter's cache or pending, and once the last ones go in, the cache holds what a drafter
+  that took every pair in at once holds."""
+  drafter = testing.drafter_for(kind, target).with_head(target)
   tokens, lengths = testing.padded(testing.PROMPTS[:2])
   tree = "adaptive:paths:0/1|lookup:2"  # drafting costs little: it alternates with the root
   cfg = decode.DecodeConfig(max_new_tokens=60, tree=tree, costs=((1, 1), (1.1, 1.1), (1, 1.2)))
   plan = decode.make_plan(cfg, drafter, tokens.shape[1])
-  lazy = decode.init(plan, target, drafter, tokens, lengths, jax.random.key(0))
-  eager = lazy.replace(pending=None)  # no buffer: every round feeds its pairs
+  state = decode.init(plan, target, drafter, tokens, lengths, jax.random.key(0))
   waited = drafted_after_waiting = 0
-  for _ in range(40):
-    if int(lazy.pending.count.max()) > 0:
-      waited += 1
-      # The drafter's cache lags by exactly the pending pairs.
-      assert (lazy.drafter_cache.lengths + lazy.pending.count).tolist() == (
-        eager.drafter_cache.lengths.tolist()
-      )
-    was_waiting = int(lazy.pending.count.max()) > 0
-    lazy = decode.round_step(plan, target, drafter, lazy)
-    eager = decode.round_step(plan, target, drafter, eager)
-    assert lazy.tokens.tolist() == eager.tokens.tolist()
-    assert int(lazy.adapt.choice) == int(eager.adapt.choice)
-    if int(lazy.adapt.choice) in (1, 2) and was_waiting:
-      drafted_after_waiting += int(lazy.adapt.choice) == 1
-    if int(lazy.adapt.choice) == 1:  # the drafted candidate's nodes
-      np.testing.assert_array_equal(lazy.node_tokens, eager.node_tokens)
-      np.testing.assert_allclose(lazy.node_logp, eager.node_logp, rtol=1e-4, atol=1e-5)
+  while not bool(state.done.all()):
+    waiting = int(state.pending.count.max()) > 1  # more than the last round's pairs
+    waited += waiting
+    drafted_after_waiting += waiting and int(state.adapt.choice) == 1
+    state = decode.round_step(plan, target, drafter, state)
+    # Pair t is (h_t, x_{t+1}): one per known token but the first.
+    in_cache = state.drafter_cache.lengths + state.pending.count
+    assert in_cache.tolist() == (state.num_tokens - 1).tolist()
   assert waited > 0 and drafted_after_waiting > 0
+  plain = decode.generate(
+    target, tokens, lengths, jax.random.key(0), decode.DecodeConfig(max_new_tokens=60)
+  )
+  out = decode.finish(plan, state)
+  assert out.tokens.tolist() == plain.tokens.tolist()
+  # The cache after the last pairs go in, against one pass over every pair.
+  cache = propose.feed(drafter, target, state.drafter_cache, state.pending)
+  n = state.num_tokens - 1
+  width = int(n.max())
+  positions = jnp.broadcast_to(jnp.arange(width), (2, width))
+  _, features, _ = read_target(target, drafter.cfg, state.tokens[:, :width], positions)
+  pairs = propose.Pairs(tokens=state.tokens[:, 1 : width + 1], features=features, count=n)
+  at_once = propose.feed(drafter, target, drafter.empty_cache(2, plan.max_len), pairs)
+  assert cache.lengths.tolist() == at_once.lengths.tolist() == n.tolist()
+  for b in range(2):
+    for got, want in zip(jax.tree.leaves(cache.k), jax.tree.leaves(at_once.k), strict=True):
+      np.testing.assert_allclose(got[b, : n[b]], want[b, : n[b]], rtol=1e-4, atol=1e-5)
 
 
 def test_a_chain_left_out_is_no_part_of_the_round(target):

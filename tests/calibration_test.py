@@ -169,20 +169,19 @@ def test_measured_costs_are_relative_to_the_root_alone(target, temperature):
   assert measured["paths:0"]["nodes"] == [2, 2]
 
 
-@pytest.mark.parametrize(("choice", "chain"), [(0, False), (1, False), (2, False), (2, True)])
-def test_pinned_rounds_run_their_candidate_from_the_same_context(target, choice, chain):
-  """What calibration times: with the choice pinned, a round verifies that candidate (with its
-  chain, if pinned on: the context finds a match) and drafts for it again; every round starts
-  from the same context."""
+@pytest.mark.parametrize("option", [(0, False), (1, False), (2, False), (2, True)])
+def test_option_rounds_run_their_candidate_from_the_same_context(target, option):
+  """What calibration times: a round with the option verifies that candidate (with its chain,
+  if the option has it: the context finds a match); every round starts from the same
+  context."""
   drafter = testing.drafter_for("pspec", target).with_head(target)
   cfg = decode.DecodeConfig(tree=TREE, max_new_tokens=12)
   plan = decode.make_plan(cfg, drafter, 2 * len(PROMPT))
-  start = calibration._pinned(
-    calibration._start(plan, target, drafter, PROMPT, 1), choice, chain, len(plan.tree.candidates)
-  )
-  once, thrice = (calibration._rounds(plan, target, drafter, start, n) for n in (1, 3))
+  start = calibration._start(plan, target, drafter, PROMPT, 1)
+  once, thrice = (calibration._rounds(plan, target, drafter, start, n, option) for n in (1, 3))
+  choice, chain = option
   assert once.adapt.chosen.tolist() == [int(c == choice) for c in range(3)]
-  assert int(once.adapt.choice) == choice  # and drafted for again
+  assert once.adapt.chained.tolist() == [int(c == choice and chain) for c in range(3)]
   found = jnp.any(once.adapt.lookup != start.adapt.lookup)  # the chain was verified
   assert bool(found) == chain
   for a, b in zip(jax.tree.leaves(once), jax.tree.leaves(thrice), strict=True):
