@@ -14,16 +14,15 @@ stored with its raw times:
 
   cost(c) = round(c) / round(root alone)
 
-where round(c) is a round of the decoding loop with the choice pinned to c: the lookup search,
-the verification of c's nodes, acceptance, the commit, the choice and c's next draft (a round
-that drafts nothing adds its share of the feed that takes in the pairs such rounds leave
-pending). The root alone is the round every candidate is weighed against; it costs a few
-percent more than a round of plain decoding (also timed and printed), for the adaptive
-machinery. Rounds are timed as the loop runs them: several in a row, the caches updated in
-place, each from the same context (where the chain, if pinned on, finds a match). Each
-candidate has two costs: without and with its prompt-lookup chain verified. Summed from a
-round's passes instead, realized rounds had cost 9% (fixed trees) to 25% (adaptive ones) more
-than calibrated.
+where round(c) is a round of c as the adaptive loop runs it while c stays chosen (the choice pinned
+to c, `rounds.adaptive_rounds`): c's draft, the verification of its nodes, acceptance, the commit,
+the statistics, the lookup search and the next choice (a round that drafts nothing adds its share of
+the feed that takes in the pairs such rounds leave pending). The root alone is the round every
+candidate is weighed against; it costs about a round of plain decoding (also timed and printed).
+Rounds are timed as the loop runs them: several in a row, the caches updated in place, each from the
+same context (where a chain, if the option has it, finds a match). Each candidate has two costs:
+without and with its prompt-lookup chain verified. Summed from a round's passes instead, realized
+rounds had cost 9% (fixed trees) to 25% (adaptive ones) more than calibrated.
 
 The candidates and the root alone are timed in turns, `REPEATS` of them, and a cost is the
 median over turns of the candidate's time against the root alone's in the same turn. On a
@@ -56,13 +55,15 @@ from pspec_jax import prompts as prompts_lib
 from pspec_jax import propose as propose_lib
 from pspec_jax import rounds as rounds_lib
 
-# 8: an option's rounds as the adaptive loop runs them (`rounds.option_round`), no switch;
+# 8: an option's rounds as the adaptive loop runs them (`rounds.adaptive_rounds`), no switch;
 # 7: a candidate's round without its lookup chain verifies its drafted tree alone (2-6% of a
 # plain round cheaper); 6: costs from paired turns (`measure.paired_ratio`), 15 of them;
 # 5: an adaptive round's bonus noise drawn before its switch (root-alone rounds 4% cheaper at
 # T = 1); 4: whole rounds from one context, against the root alone; 2: summed passes.
 VERSION = 8
 FILE = "round_costs.json"
+# The pinned candidate's cost, and every other option's: only the pinned one is affordable.
+PINNED_IN, PINNED_OUT = 1e-3, 1e9
 ROUNDS = 10  # rounds timed in a row (`_rounds`)
 REPEATS = 15  # turns timed (`measure.interleaved_times`)
 
@@ -138,6 +139,16 @@ def save(path: str, machines: dict) -> None:
   os.replace(tmp, path)  # whole or not at all
 
 
+def _pinned(state, choice: int, chain: bool, num: int):
+  """`state` with the candidate of its next round pinned: made the only affordable option
+  (`adaptive.choose` then picks it every round), and chosen for the round about to run. Its
+  chain pinned on, it runs without one in rounds where no lookup is found."""
+  pin = jnp.full((2, num), PINNED_OUT, jnp.float32).at[:, choice].set(10 * PINNED_IN)
+  pin = pin.at[int(chain), choice].set(PINNED_IN)
+  stats = state.adapt.replace(costs=pin, choice=jnp.int32(choice), chain=jnp.bool_(chain))
+  return state.replace(adapt=stats)
+
+
 def _start(plan, target, drafter, ids: list[int], batch: int):
   """The state rounds are timed from: `batch` copies of prompt `ids` twice, prefilled, and
   the first bonus token made the prompt's first one, so the context ends as the first copy
@@ -147,27 +158,25 @@ def _start(plan, target, drafter, ids: list[int], batch: int):
   return state.replace(tokens=state.tokens.at[:, 2 * len(ids)].set(ids[0]))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5))
-def _rounds(plan, target, drafter, state, count, option=None):
-  """`count` rounds of the decoding loop, each from `state`'s context: plain rounds, or an
-  adaptive tree's rounds with `option` (`rounds.option_round`, as its loop runs them while the
-  option stays chosen). The caches' buffers are carried and updated in place, as inside
-  `decode.generate`'s loop, and everything else (the tokens, the lengths, the drafted nodes,
-  the pending pairs) starts over from `state`, so every round is the same round. One
-  compilation for any count."""
+@functools.partial(jax.jit, static_argnums=0)
+def _rounds(plan, target, drafter, state, count):
+  """`count` rounds of the decoding loop (an adaptive tree's as `rounds.adaptive_rounds` runs
+  them, the pinned option's loop running them all), each from `state`'s context: the caches'
+  buffers are carried and updated in place, as inside `decode.generate`'s loop, and everything
+  else (the tokens, the lengths, the statistics and the choice, the pending pairs) starts over
+  from `state`, so every round is the same round. One compilation for any count."""
 
   def again(s):
-    out = state.replace(cache=state.cache.replace(k=s.cache.k, v=s.cache.v))
+    out = state.replace(cache=state.cache.replace(k=s.cache.k, v=s.cache.v), step=s.step)
     if state.drafter_cache is None:
       return out
     d = state.drafter_cache.replace(k=s.drafter_cache.k, v=s.drafter_cache.v)
     return out.replace(drafter_cache=d)
 
-  def step(_, s):
-    if option is None:
-      return rounds_lib.round_step(plan, target, drafter, again(s))
-    return rounds_lib.option_round(plan, target, drafter, option, again(s))
-
+  if plan.tree.candidates:
+    stop = state.step + count
+    return rounds_lib.adaptive_rounds(plan, target, drafter, state, stop, before_round=again)
+  step = lambda _, s: rounds_lib.round_step(plan, target, drafter, again(s))
   return jax.lax.fori_loop(0, count, step, state)
 
 
@@ -177,12 +186,12 @@ def measure(
   """Raw times (ms per round, medians of `repeats`) and the costs of every candidate of `pool`,
   under the sampling settings and draft rule of DecodeConfig `cfg` (default: greedy).
 
-  Rounds are timed whole, as the decoding loop runs them, `ROUNDS` in a row from the same
-  context (`_rounds`), each candidate's rounds (with and without its chain) in turn, and so
-  are plain rounds. The context is the prompt `ids` twice and its first token again, so the
-  lookup finds a match and a chain runs where the option has it. A round that drafts nothing
-  leaves its pairs pending, and a feed takes them in once per `kept + 1` such rounds: that
-  share of a feed is added to its time. Costs are relative to the root alone's round.
+  Rounds are timed whole, as the decoding loop runs them, `ROUNDS` in a row from the same context
+  (`_rounds`), with the choice pinned to each option (a candidate with and without its chain) in
+  turn, and so are plain rounds. The context is the prompt `ids` twice and its first token again, so
+  the lookup finds a match and a chain runs where the option has it. A round that drafts nothing
+  leaves its pairs pending, and a feed takes them in once per `kept + 1` such rounds: that share of
+  a feed is added to its time. Costs are relative to the root alone's round.
 
   Returns {candidate spec: {"costs": [without, with lookup], ...times}}.
   """
@@ -194,9 +203,10 @@ def measure(
   calls = {"plain": (_rounds, plain, target, None, state, ROUNDS)}
   plan = decode.make_plan(dataclasses.replace(base, tree=pool.spec), drafter, 2 * len(ids))
   state = _start(plan, target, drafter, ids, batch)
+  num = len(pool.candidates)
   for c, cand in enumerate(pool.candidates):
     for chain in (False, True) if cand.lookup else (False,):
-      calls[(c, chain)] = (_rounds, plan, target, drafter, state, ROUNDS, (c, chain))
+      calls[(c, chain)] = (_rounds, plan, target, drafter, _pinned(state, c, chain, num), ROUNDS)
   kept = pool.max_depth + 1
   if state.drafter_cache is not None:  # a buffer's worth of pending pairs, taken in by one feed
     pending = state.pending

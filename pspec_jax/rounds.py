@@ -39,10 +39,10 @@ __all__ = [
   "DecodeState",
   "Verified",
   "accept_path",
+  "adaptive_rounds",
   "commit",
   "draft",
   "init",
-  "option_round",
   "round_step",
   "run",
   "verify",
@@ -235,7 +235,7 @@ def verify(
   the tree's, by a round that verifies them because some sequence found one: the chain is then
   part of the pass. (`round_step` runs a round whose chains nobody found as the drafted tree
   alone, `_round_lookup`.) An adaptive tree's round verifies inside `round_step`
-  (`option_round`).
+  (`_option_round`).
   """
   if plan.tree.candidates:
     raise ValueError(
@@ -549,15 +549,24 @@ def _options(pool: tree_lib.Tree) -> list[tuple[int, bool]]:
   return [(c, False) for c in range(len(pool.candidates))] + chained
 
 
-def _adaptive_rounds(plan, target, drafter, state, stop=None) -> DecodeState:
+def adaptive_rounds(
+  plan: Plan,
+  target: Target,
+  drafter: Drafter,
+  state: DecodeState,
+  stop: jax.Array | None = None,
+  before_round=None,
+) -> DecodeState:
   """An adaptive tree's rounds until every sequence is done (or the state's step reaches
   `stop`): a loop whose body is one `lax.while_loop` per option, each running rounds of its
-  option (`option_round`) for as long as the statistics keep choosing it. A round is then its
+  option (`_option_round`) for as long as the statistics keep choosing it. A round is then its
   option's fixed round, with no switch between options around it (a switch cost the root
   alone's rounds 4-9% of a plain round on a 2-core CPU, docs/design.md section 3.7), and the
   caches stay in place: a while loop updates its buffers in place, where a branch of a switch
-  that returns a cache copies it."""
+  that returns a cache copies it. `before_round(state)`, if given, is the state each round
+  starts from and chooses by (calibration starts every round from one context)."""
   pool = plan.tree
+  before = before_round or (lambda s: s)
 
   def running(s):
     go = ~jnp.all(s.done)
@@ -565,9 +574,12 @@ def _adaptive_rounds(plan, target, drafter, state, stop=None) -> DecodeState:
 
   def option_loop(s, c, chain):
     def chosen(s):
+      s = before(s)
       return running(s) & (s.adapt.choice == c) & (s.adapt.chain == chain)
 
-    body = functools.partial(option_round, plan, target, drafter, (c, chain))
+    def body(s):
+      return _option_round(plan, target, drafter, (c, chain), before(s))
+
     return jax.lax.while_loop(chosen, body, s)
 
   def each_option(s):
@@ -575,17 +587,16 @@ def _adaptive_rounds(plan, target, drafter, state, stop=None) -> DecodeState:
       s = option_loop(s, c, chain)
     return s
 
-  return jax.lax.while_loop(running, each_option, state)
+  return jax.lax.while_loop(lambda s: running(before(s)), each_option, state)
 
 
-def option_round(
+def _option_round(
   plan: Plan, target: Target, drafter: Drafter, option: tuple[int, bool], state: DecodeState
 ) -> DecodeState:
   """One round of an adaptive tree with `option`: (candidate c, whether its lookup chain is
   verified). The candidate drafts from the pending pairs (the root alone drafts nothing), is
   verified, accepted and committed as the fixed tree it is; the statistics observe what it
-  verified and accepted, and choose the next round's option. `round_step` runs the option the
-  statistics chose; calibration times each."""
+  verified and accepted, and choose the next round's option."""
   pool = plan.tree
   c, chain = option
   cand = pool.candidates[c] if chain else pool.candidates[c].drafted
@@ -699,9 +710,9 @@ def round_step(
   plan: Plan, target: Target, drafter: Drafter | None, state: DecodeState
 ) -> DecodeState:
   """One round: verify the drafted tree, accept and commit, draft the next tree (an adaptive
-  tree's round drafts its candidate first, `option_round`)."""
+  tree's round drafts its candidate first, `_option_round`)."""
   if plan.tree.candidates:
-    return _adaptive_rounds(plan, target, drafter, state, stop=state.step + 1)
+    return adaptive_rounds(plan, target, drafter, state, stop=state.step + 1)
   if plan.tree.lookup:
     state, pairs = _round_lookup(plan, target, drafter, state)
   else:
@@ -712,6 +723,6 @@ def round_step(
 def run(plan: Plan, target: Target, drafter: Drafter | None, state: DecodeState) -> DecodeState:
   """Rounds until every sequence is done: `decode.generate`'s loop."""
   if plan.tree.candidates:
-    return _adaptive_rounds(plan, target, drafter, state)
+    return adaptive_rounds(plan, target, drafter, state)
   step = functools.partial(round_step, plan, target, drafter)
   return jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)

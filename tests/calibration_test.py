@@ -171,22 +171,28 @@ def test_measured_costs_are_relative_to_the_root_alone(target, temperature):
 
 @pytest.mark.parametrize("option", [(0, False), (1, False), (2, False), (2, True)])
 def test_option_rounds_run_their_candidate_from_the_same_context(target, option):
-  """What calibration times: a round with the option verifies that candidate (with its chain,
-  if the option has it: the context finds a match); every round starts from the same
-  context."""
+  """What calibration times: with the choice pinned to an option, a round verifies that
+  candidate (with its chain, if the option has it: the context finds a match); every round
+  starts from the same context, the option pinned."""
   drafter = testing.drafter_for("pspec", target).with_head(target)
   cfg = decode.DecodeConfig(tree=TREE, max_new_tokens=12)
   plan = decode.make_plan(cfg, drafter, 2 * len(PROMPT))
-  start = calibration._start(plan, target, drafter, PROMPT, 1)
-  once, thrice = (calibration._rounds(plan, target, drafter, start, n, option) for n in (1, 3))
   choice, chain = option
+  start = calibration._pinned(
+    calibration._start(plan, target, drafter, PROMPT, 1), choice, chain, len(plan.tree.candidates)
+  )
+  once, thrice = (calibration._rounds(plan, target, drafter, start, n) for n in (1, 3))
+  assert int(thrice.step) == int(start.step) + 3
   assert once.adapt.chosen.tolist() == [int(c == choice) for c in range(3)]
   assert once.adapt.chained.tolist() == [int(c == choice and chain) for c in range(3)]
   found = jnp.any(once.adapt.lookup != start.adapt.lookup)  # the chain was verified
   assert bool(found) == chain
-  for a, b in zip(jax.tree.leaves(once), jax.tree.leaves(thrice), strict=True):
+  # The same round three times (the step, and the draws it keys, aside).
+  for a, b in zip(
+    jax.tree.leaves(once), jax.tree.leaves(thrice.replace(step=once.step)), strict=True
+  ):
     if not jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
-      np.testing.assert_array_equal(a, b)  # the same round, three times
+      np.testing.assert_array_equal(a, b)
 
 
 def test_a_cost_compares_rounds_timed_in_the_same_turn(target, monkeypatch):
