@@ -616,12 +616,17 @@ def _option_round(
     fixed, state.replace(drafter_cache=drafter_cache), _on_path(verified, accepted)
   )
   state = _take_pairs(plan, fixed, target, drafter, state, pairs)
-  found = jnp.zeros(active.shape, jnp.bool_)
-  if pool.lookup:
+  return _constrain_state(plan, _choose_next(plan, state.replace(adapt=stats)))
+
+
+def _choose_next(plan: Plan, state: DecodeState) -> DecodeState:
+  """The state with the next round's option chosen (`adaptive.choose`) from its statistics
+  and whether each sequence's context repeats (a lookup exists) now."""
+  found = jnp.zeros(state.done.shape, jnp.bool_)
+  if plan.tree.lookup:
     found = _find_chains(state, 1)[1][:, 0]
-  next_choice, next_chain = adaptive.choose(stats, pool, found, ~state.done)
-  stats = stats.replace(choice=next_choice, chain=next_chain)
-  return _constrain_state(plan, state.replace(adapt=stats))
+  choice, chain = adaptive.choose(state.adapt, plan.tree, found, ~state.done)
+  return state.replace(adapt=state.adapt.replace(choice=choice, chain=chain))
 
 
 def _draft_option(plan, fixed, target, drafter, state) -> tuple[DecodeState, KVCache | None]:
@@ -695,15 +700,7 @@ def _init_adaptive(plan, target, drafter, state, pairs: Pairs) -> DecodeState:
   cache = state.drafter_cache
   if cache is not None:
     cache = feed(drafter, target, cache, pairs.replace(count=pairs.count - 1))
-  found = jnp.zeros((batch,), jnp.bool_)
-  if plan.tree.lookup:
-    found = _find_chains(state, 1)[1][:, 0]
-  choice, chain = adaptive.choose(state.adapt, plan.tree, found, ~state.done)
-  return state.replace(
-    drafter_cache=cache,
-    pending=_merged(empty, last),
-    adapt=state.adapt.replace(choice=choice, chain=chain),
-  )
+  return _choose_next(plan, state.replace(drafter_cache=cache, pending=_merged(empty, last)))
 
 
 def round_step(
