@@ -60,7 +60,7 @@ from pspec_jax import rounds as rounds_lib
 # plain round cheaper); 6: costs from paired turns (`measure.paired_ratio`), 15 of them;
 # 5: an adaptive round's bonus noise drawn before its switch (root-alone rounds 4% cheaper at
 # T = 1); 4: whole rounds from one context, against the root alone; 2: summed passes.
-VERSION = 8
+VERSION = 9
 FILE = "round_costs.json"
 # The pinned candidate's cost, and every other option's: only the pinned one is affordable.
 PINNED_IN, PINNED_OUT = 1e-3, 1e9
@@ -167,11 +167,18 @@ def _rounds(plan, target, drafter, state, count):
   from `state`, so every round is the same round. One compilation for any count."""
 
   def again(s):
-    out = state.replace(cache=state.cache.replace(k=s.cache.k, v=s.cache.v), step=s.step)
+    # The context passes an optimization barrier with the carried step, so no part of a round
+    # is loop-invariant: XLA would otherwise hoist whatever depends on the context alone (a
+    # medusa draft, the lookup's search) out of the timed loop, and the round would time short.
+    buffers = lambda c: None if c is None else c.replace(k=None, v=None)
+    context = state.replace(cache=buffers(state.cache), drafter_cache=buffers(state.drafter_cache))
+    out, step = jax.lax.optimization_barrier((context, s.step))
+    out = out.replace(cache=out.cache.replace(k=s.cache.k, v=s.cache.v), step=step)
     if state.drafter_cache is None:
       return out
-    d = state.drafter_cache.replace(k=s.drafter_cache.k, v=s.drafter_cache.v)
-    return out.replace(drafter_cache=d)
+    return out.replace(
+      drafter_cache=out.drafter_cache.replace(k=s.drafter_cache.k, v=s.drafter_cache.v)
+    )
 
   if plan.tree.candidates:
     stop = state.step + count
