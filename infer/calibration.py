@@ -230,7 +230,7 @@ def measure(
     n0, n1 = adaptive.verified_nodes(pool)[c]
     ratios = [measure_lib.paired_ratio(t, root) for t in per_turn]
     out[cand.spec] = dict(
-      costs=[1.0 if c == 0 else max(1.0, r) for r in ratios],
+      costs=[1.0 if c == 0 else max(1.0, float(r)) for r in ratios],
       plain_ms=float(np.median(rounds["plain"])),
       round_ms=[float(np.median(t)) for t in per_turn],
       nodes=[n0, n1],

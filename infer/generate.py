@@ -176,7 +176,8 @@ def check_num_draft(num_draft: int | None, cfg, drafter) -> None:
     return
   if drafter is None:
     raise ValueError("--num_draft needs a drafting method (--method=pspec, eagle, medusa, pld)")
-  spec = cfg.tree or drafter.cfg.tree_for(cfg.sampling.greedy)
+  greedy = cfg.sampling.greedy
+  spec = drafter.cfg.resolve_tree(cfg.tree or drafter.cfg.tree_for(greedy), greedy)
   own = drafter.cfg.num_draft
   if num_draft != own and tree_specs.parse(spec, num_draft) == tree_specs.parse(spec, own):
     raise ValueError(

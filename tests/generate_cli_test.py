@@ -52,6 +52,10 @@ def test_mt_bench_questions_are_read_first_turn():
     (["--prompts=tests"], "error: prompts: tests is a directory"),
     # The shipped pspec drafter's tree is explicit rank paths: K would change nothing.
     (["--prompt=hi", "--method=pspec", "--num_draft=100"], "error: --num_draft=100 would change"),
+    (
+      ["--prompt=hi", "--method=pspec", "--tree=adaptive", "--num_draft=100"],
+      "error: --num_draft=100 would change",  # the drafter's candidates fix their own depths
+    ),
     (["--prompt=hi", "--num_draft=3"], "error: --num_draft needs a drafting method"),
     (["--prompt=hi", "extra"], "error: unexpected arguments ['extra']"),
     (["--prompt=hi", "--mesh=data=2,tensor=2"], "error: mesh {'data': 2, 'fsdp': 1, 'tensor': 2}"),
