@@ -170,14 +170,21 @@ def _rounds(plan, target, drafter, state, count):
     # The context passes an optimization barrier with the carried step, so no part of a round
     # is loop-invariant: XLA would otherwise hoist whatever depends on the context alone (a
     # medusa draft, the lookup's search) out of the timed loop, and the round would time short.
-    buffers = lambda c: None if c is None else c.replace(k=None, v=None)
-    context = state.replace(cache=buffers(state.cache), drafter_cache=buffers(state.drafter_cache))
+    def buffers(cache, carried):  # `cache` with the carried buffers (None: without any)
+      if cache is None:
+        return None
+      return cache.replace(
+        k=None if carried is None else carried.k, v=None if carried is None else carried.v
+      )
+
+    context = state.replace(
+      cache=buffers(state.cache, None), drafter_cache=buffers(state.drafter_cache, None)
+    )
     out, step = jax.lax.optimization_barrier((context, s.step))
-    out = out.replace(cache=out.cache.replace(k=s.cache.k, v=s.cache.v), step=step)
-    if state.drafter_cache is None:
-      return out
     return out.replace(
-      drafter_cache=out.drafter_cache.replace(k=s.drafter_cache.k, v=s.drafter_cache.v)
+      cache=buffers(out.cache, s.cache),
+      drafter_cache=buffers(out.drafter_cache, s.drafter_cache),
+      step=step,
     )
 
   if plan.tree.candidates:

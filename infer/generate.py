@@ -176,10 +176,11 @@ def check_num_draft(num_draft: int | None, cfg, drafter) -> None:
     return
   if drafter is None:
     raise ValueError("--num_draft needs a drafting method (--method=pspec, eagle, medusa, pld)")
-  greedy = cfg.sampling.greedy
-  spec = drafter.cfg.resolve_tree(cfg.tree or drafter.cfg.tree_for(greedy), greedy)
+  spec = cfg.tree or drafter.cfg.tree_for(cfg.sampling.greedy)
   own = drafter.cfg.num_draft
-  if num_draft != own and tree_specs.parse(spec, num_draft) == tree_specs.parse(spec, own):
+  # The tree decoding resolves (an adaptive tree's candidates spelled out) at either K.
+  sized = lambda k: decode.resolve_tree(dataclasses.replace(cfg, num_draft=k), drafter)
+  if num_draft != own and sized(num_draft) == sized(own):
     raise ValueError(
       f"--num_draft={num_draft} would change nothing: the tree {spec!r} fixes its own depth. "
       "Give a tree that K sizes (--tree=chain, sparseN or dynamic:N), or drop --num_draft"
