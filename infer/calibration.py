@@ -218,9 +218,8 @@ def measure(
   plan = decode.make_plan(dataclasses.replace(base, tree=pool.spec), drafter, 2 * len(ids))
   state = _start(plan, target, drafter, ids, batch)
   num = len(pool.candidates)
-  for c, cand in enumerate(pool.candidates):
-    for chain in (False, True) if cand.lookup else (False,):
-      calls[(c, chain)] = (_rounds, plan, target, drafter, _pinned(state, c, chain, num), ROUNDS)
+  for c, chain in adaptive.options(pool):
+    calls[(c, chain)] = (_rounds, plan, target, drafter, _pinned(state, c, chain, num), ROUNDS)
   kept = pool.max_depth + 1
   if state.drafter_cache is not None:  # a buffer's worth of pending pairs, taken in by one feed
     pending = state.pending
@@ -233,7 +232,9 @@ def measure(
   out = {}
   for c, cand in enumerate(pool.candidates):
     share = 0.0 if cand.paths else feed
-    per_turn = [rounds.get((c, chain), rounds[(c, False)]) + share for chain in (False, True)]
+    # A chain alone without its chain is the root alone; a candidate without one, itself.
+    alone = rounds.get((c, False), rounds[(0, False)])
+    per_turn = [rounds.get((c, chain), alone) + share for chain in (False, True)]
     n0, n1 = adaptive.verified_nodes(pool)[c]
     ratios = [measure_lib.paired_ratio(t, root) for t in per_turn]
     out[cand.spec] = dict(

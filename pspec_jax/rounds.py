@@ -542,13 +542,6 @@ def _draw(plan: Plan, state: DecodeState) -> Draw | None:
   return Draw(plan.sampling, jax.random.fold_in(stream, state.step))
 
 
-def _options(pool: tree_lib.Tree) -> list[tuple[int, bool]]:
-  """The (candidate, chain) options of an adaptive round: each candidate without its lookup
-  chain, and with it where it has one."""
-  chained = [(c, True) for c, cand in enumerate(pool.candidates) if cand.lookup]
-  return [(c, False) for c in range(len(pool.candidates))] + chained
-
-
 def adaptive_rounds(
   plan: Plan,
   target: Target,
@@ -583,7 +576,7 @@ def adaptive_rounds(
     return jax.lax.while_loop(chosen, body, s)
 
   def each_option(s):
-    for c, chain in _options(pool):
+    for c, chain in adaptive.options(pool):
       s = option_loop(s, c, chain)
     return s
 

@@ -334,6 +334,21 @@ def test_a_chain_that_does_not_pay_is_left_out():
   assert [int(x) for x in adaptive.choose(stats, pool, match, active)] == [0, 0]
 
 
+def test_a_chain_alone_without_its_chain_is_the_root_alone():
+  """`lookup:3` without its chain verifies the root alone: no option (no compiled round) of its
+  own, and never chosen, even at a cost below the root's; with the chain it is an option."""
+  pool = tree_specs.parse("adaptive:lookup:3|paths:0+lookup:3|paths:0/1", 4)
+  assert adaptive.options(pool) == [(0, False), (2, False), (3, False), (1, True), (2, True)]
+  stats = adaptive.init_stats(pool, 1, ((1.0, 1.0), (0.5, 1.3), (1.2, 1.5), (1.3, 1.3)))
+  stats = stats.replace(
+    drafted=jnp.zeros_like(stats.drafted), lookup=jnp.full_like(stats.lookup, 0.5)
+  )
+  active, found = jnp.asarray([True]), jnp.asarray([True])
+  # Cheaper than the root, yet the root: the chain alone runs only with its chain.
+  assert [int(x) for x in adaptive.choose(stats, pool, ~found, active)] == [0, 0]
+  assert [int(x) for x in adaptive.choose(stats, pool, found, active)] == [1, 1]
+
+
 # --- spelling: trees and drafter files ---------------------------------------------------------
 
 
