@@ -139,11 +139,17 @@ def save(path: str, machines: dict) -> None:
   os.replace(tmp, path)  # whole or not at all
 
 
-def _pinned(state, choice: int, chain: bool, num: int):
+def _pinned(state, choice: int, chain: bool, pool):
   """`state` with the candidate of its next round pinned: made the only affordable option
   (`adaptive.choose` then picks it every round), and chosen for the round about to run. Its
-  chain pinned on, it runs without one in rounds where no lookup is found."""
-  pin = jnp.full((2, num), PINNED_OUT, jnp.float32).at[:, choice].set(10 * PINNED_IN)
+  chain pinned on, it runs without one in rounds where no lookup is found (a chain alone then
+  runs the root alone)."""
+  runs = adaptive.options(pool)
+  if (choice, chain) not in runs:
+    raise ValueError(f"no adaptive round runs candidate {choice} with chain={chain}: {runs}")
+  alone = choice if (choice, False) in runs else 0
+  pin = jnp.full((2, len(pool.candidates)), PINNED_OUT, jnp.float32)
+  pin = pin.at[0, alone].set(10 * PINNED_IN).at[1, choice].set(10 * PINNED_IN)
   pin = pin.at[int(chain), choice].set(PINNED_IN)
   stats = state.adapt.replace(costs=pin, choice=jnp.int32(choice), chain=jnp.bool_(chain))
   return state.replace(adapt=stats)
@@ -217,9 +223,8 @@ def measure(
   calls = {"plain": (_rounds, plain, target, None, state, ROUNDS)}
   plan = decode.make_plan(dataclasses.replace(base, tree=pool.spec), drafter, 2 * len(ids))
   state = _start(plan, target, drafter, ids, batch)
-  num = len(pool.candidates)
   for c, chain in adaptive.options(pool):
-    calls[(c, chain)] = (_rounds, plan, target, drafter, _pinned(state, c, chain, num), ROUNDS)
+    calls[(c, chain)] = (_rounds, plan, target, drafter, _pinned(state, c, chain, pool), ROUNDS)
   kept = pool.max_depth + 1
   if state.drafter_cache is not None:  # a buffer's worth of pending pairs, taken in by one feed
     pending = state.pending
