@@ -160,7 +160,7 @@ def options(pool: tree_lib.Tree) -> list[tuple[int, bool]]:
   """The (candidate, chain) options an adaptive round runs: each candidate without its lookup
   chain, and with it where it has one. A candidate that is a chain alone (`lookup:N`) is the root
   alone without it: that is the root's option, not one of its own (each option is one more
-  compiled round, about 5 s of compilation for the embedded default on a 2-core CPU)."""
+  compiled round, 3-5 s of compilation for the embedded default on a 2-core CPU)."""
   alone = [(c, False) for c, cand in enumerate(pool.candidates) if c == 0 or cand.depth > 0]
   return alone + [(c, True) for c, cand in enumerate(pool.candidates) if cand.lookup]
 
@@ -215,7 +215,8 @@ def choose(
   # A candidate without a chain that runs has no second option: its first one stands.
   ratio_2C = ratio_2C.at[1].set(jnp.where(lookup_runs, ratio_2C[1], -jnp.inf))
   runs_2C = np.zeros((2, len(pool.candidates)), bool)
-  runs_2C[tuple(np.asarray([(int(chain), c) for c, chain in options(pool)]).T)] = True
+  for c, chain in options(pool):
+    runs_2C[int(chain), c] = True
   ratio_2C = jnp.where(runs_2C, ratio_2C, -jnp.inf)
   best = jnp.argmax(ratio_2C.reshape(-1)).astype(jnp.int32)
   num = len(pool.candidates)
