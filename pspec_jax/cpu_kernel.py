@@ -64,6 +64,7 @@ __all__ = [
   "matmuls",
   "platform_dependent",
   "rejection",
+  "rope_cos_sin",
   "softmax",
 ]
 
@@ -75,6 +76,7 @@ _ARGMAX = "pspec_vocab_argmax"
 _DRAWS = "pspec_vocab_draws"
 _SOFTMAX = "pspec_vocab_softmax"
 _REJECTION = "pspec_vocab_rejection"
+_ROPE = "pspec_rope_cos_sin"
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-pthread")
 
 
@@ -150,6 +152,7 @@ def _library() -> ctypes.CDLL | None:
   jax.ffi.register_ffi_target(_DRAWS, jax.ffi.pycapsule(lib.VocabDraws), platform="cpu")
   jax.ffi.register_ffi_target(_SOFTMAX, jax.ffi.pycapsule(lib.VocabSoftmax), platform="cpu")
   jax.ffi.register_ffi_target(_REJECTION, jax.ffi.pycapsule(lib.VocabRejection), platform="cpu")
+  jax.ffi.register_ffi_target(_ROPE, jax.ffi.pycapsule(lib.RopeCosSin), platform="cpu")
   lib.pspec_panel_matmul_isa.restype = ctypes.c_char_p
   return lib
 
@@ -248,6 +251,18 @@ def attention(q_BTKGH, k_BSKH, v_BSKH, cache_len_B, k_BTKH, v_BTKH, mask_BTT, sc
     mask_BTT.astype(jnp.bool_),
     scale=np.float32(scale),
   )
+
+
+def rope_cos_sin(angles: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(cos, sin) of float32 angles, the C library's cosf and sinf: the bits of `jnp.cos` and
+  `jnp.sin` on XLA:CPU, which calls them. Opaque to XLA, so the values are computed once:
+  identical calls (every layer's q and k) merge into one, where XLA fused `jnp.cos` into each
+  rotation and computed it again for every head."""
+  if _library() is None:
+    raise RuntimeError("the CPU kernels are not available")
+  out = jax.ShapeDtypeStruct(angles.shape, jnp.float32)
+  call = jax.ffi.ffi_call(_ROPE, (out, out), vmap_method="broadcast_all")
+  return tuple(call(angles.astype(jnp.float32)))
 
 
 def _vocab(x_XV: jax.Array) -> jax.Array:

@@ -137,8 +137,8 @@ class Attention(nn.Module):
     q, k_, v = q.reshape(*lead, n, h), k_.reshape(*lead, k, h), v.reshape(*lead, k, h)
     inv_freq = layers.rope_inv_freq(cfg)
     return (
-      layers.apply_rope(q, positions_X, inv_freq),
-      layers.apply_rope(k_, positions_X, inv_freq),
+      layers.apply_rope(q, positions_X, inv_freq, cfg),
+      layers.apply_rope(k_, positions_X, inv_freq, cfg),
       v,
     )
 

@@ -642,3 +642,23 @@ def test_a_rejection_level_at_its_edges():
 def test_vocabulary_rows_are_one_clear_error_when_misshapen():
   with pytest.raises(ValueError, match="vocabulary axis"):
     cpu_kernel.argmax(np.zeros((2, 0), np.float32))
+
+
+def test_rope_cos_sin_are_xla_s_bits_and_one_call_per_pass():
+  # XLA's path (sharded, or without the kernels) must compute the same model: the same bits.
+  angles = np.random.RandomState(0).uniform(-9000, 9000, (4, 512, 1, 64)).astype(np.float32)
+  angles[0, 0, 0, :4] = [0.0, -0.0, 1e-30, np.pi]
+  cos, sin = jax.jit(cpu_kernel.rope_cos_sin)(angles)
+  xla_cos, xla_sin = jax.jit(lambda a: (jnp.cos(a), jnp.sin(a)))(angles)
+  np.testing.assert_array_equal(cos, xla_cos)
+  np.testing.assert_array_equal(sin, xla_sin)
+  # In the decoding layout every layer's q and k take cos and sin from one call, which XLA
+  # had fused into each rotation (computing them again for every head of every layer).
+  target = testing.make_target(1.0, seed=0, cfg=testing.TINY).with_weight_layout("panels")
+  tokens = jnp.asarray([[3, 1, 4, 1, 5]])
+  positions = jnp.arange(5)[None]
+  program = jax.jit(lambda t: target(t, positions)[0]).lower(tokens).compile().as_text()
+  assert program.count("pspec_rope_cos_sin") == 1 and "cosine(" not in program
+  with cpu_kernel.disabled():
+    expected = target(tokens, positions)[0]
+  np.testing.assert_allclose(target(tokens, positions)[0], expected, rtol=2e-5, atol=2e-5)

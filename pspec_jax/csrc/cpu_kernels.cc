@@ -1681,6 +1681,26 @@ ffi::Error VocabSoftmaxImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32>
   return ffi::Error::Success();
 }
 
+// cos and sin of RoPE's angles, as the C library's cosf and sinf give them: XLA:CPU's cos and
+// sin are those calls, so the values are the bits XLA's path computes. One call serves q and k
+// of every layer (XLA merges the identical calls); fused into the rotation, XLA:CPU computed
+// them again for every head of every layer.
+ffi::Error RopeCosSinImpl(ffi::Buffer<ffi::F32> angles, ffi::ResultBuffer<ffi::F32> cos_out,
+                          ffi::ResultBuffer<ffi::F32> sin_out) {
+  const size_t n = angles.element_count();
+  if (cos_out->element_count() != n || sin_out->element_count() != n) {
+    return ffi::Error::InvalidArgument("rope_cos_sin: cos and sin of the angles' shape");
+  }
+  const float* a = angles.typed_data();
+  float* c = cos_out->typed_data();
+  float* s = sin_out->typed_data();
+  for (size_t i = 0; i < n; ++i) {
+    c[i] = std::cos(a[i]);
+    s[i] = std::sin(a[i]);
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error VocabArgmaxImpl(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> out) {
   const auto xd = x.dimensions(), od = out->dimensions();
   if (xd.size() < 1 || xd[xd.size() - 1] < 1 || od.size() + 1 != xd.size() ||
@@ -1755,6 +1775,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttention, DecodeAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RopeCosSin, RopeCosSinImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(VocabArgmax, VocabArgmaxImpl,
                               ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::S32>>());
