@@ -55,6 +55,13 @@ def rope_inv_freq(cfg) -> np.ndarray:
   return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+def _cpu_decoding(cfg) -> bool:
+  """Whether `cfg` is the CPU's decoding layout (float32 panels) and the CPU kernels run it."""
+  return (
+    cfg.weight_layout == "panels" and jnp.dtype(cfg.dtype) == jnp.float32 and cpu_kernel.available()
+  )
+
+
 def apply_rope(
   x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray, cfg=None
 ) -> jax.Array:
@@ -67,12 +74,7 @@ def apply_rope(
   freqs_BTh = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
   angles_BTH = jnp.concatenate([freqs_BTh, freqs_BTh], axis=-1)[..., None, :]
   xla = lambda a: (jnp.cos(a), jnp.sin(a))
-  if (
-    cfg is not None
-    and cfg.weight_layout == "panels"
-    and jnp.dtype(cfg.dtype) == jnp.float32
-    and cpu_kernel.available()
-  ):
+  if cfg is not None and _cpu_decoding(cfg):
     cos, sin = cpu_kernel.platform_dependent(angles_BTH, cpu=cpu_kernel.rope_cos_sin, default=xla)
   else:
     cos, sin = xla(angles_BTH)
@@ -123,9 +125,7 @@ def attend(cfg, q_BTKGH, k_BTKH, v_BTKH, mask_BTT, cache_kv, cache_len_B):
   if (
     cache_kv is not None
     and q_BTKGH.shape[1] <= cpu_kernel.MAX_ROWS  # more new tokens: a prefill, XLA's GEMMs
-    and cfg.weight_layout == "panels"
-    and jnp.dtype(cfg.dtype) == jnp.float32
-    and cpu_kernel.available()
+    and _cpu_decoding(cfg)
   ):
     args = (q_BTKGH, k_BTKH, v_BTKH, mask_BTT, cache_kv, cache_len_B)
     b, t = q_BTKGH.shape[:2]
