@@ -259,14 +259,16 @@ def _propose_medusa(drafter, target, cache, pairs, context, pool, draw: Draw | N
   return cache, _nodes_from_candidates(*candidates, pool)
 
 
-def pld_candidates(tokens_BW, num_tokens_B, num_draft, max_ngram, min_ngram=1):
+def pld_candidates(tokens_BW, num_tokens_B, num_draft, max_ngram, min_ngram=1, max_match=8):
   """Prompt lookup: the K tokens after the most recent earlier occurrence of the suffix.
 
   The longest suffix n-gram (`max_ngram` down to `min_ngram`) with an earlier occurrence wins;
   among its occurrences the most recent. A continuation that reaches the end of the known
   tokens starts over from its own beginning: the q tokens between the occurrence and the end
   are taken as a loop of period q (`1 1 1` continues `1 1 ...`, `a b a b` continues `a b ...`).
-  Returns tokens [B, K] and whether each is a real proposal (all of them when a match exists).
+  Returns tokens [B, K], whether each is a real proposal (all of them when a match exists), and
+  [B] how many tokens the match runs back from the suffix's end, up to `max_match` (0: none
+  found): a measure of how sure the chain is (a copied line matches far back).
   """
   width = tokens_BW.shape[1]
   starts = jnp.arange(width)
@@ -288,14 +290,20 @@ def pld_candidates(tokens_BW, num_tokens_B, num_draft, max_ngram, min_ngram=1):
     period = jnp.maximum(n - best_start, 1)
     index = best_start + jnp.arange(num_draft) % period
     ok = jnp.broadcast_to(found, (num_draft,))
-    return tokens_W[jnp.clip(index, 0, width - 1)], ok
+    back = jnp.arange(1, max_match + 1)
+    at = best_start - back
+    same = (tokens_W[jnp.clip(at, 0, width - 1)] == tokens_W[jnp.clip(n - back, 0, width - 1)]) & (
+      at >= 0
+    )
+    match = jnp.where(found, jnp.sum(jnp.cumprod(same.astype(jnp.int32))), 0)
+    return tokens_W[jnp.clip(index, 0, width - 1)], ok, match.astype(jnp.int32)
 
   return jax.vmap(one)(tokens_BW, num_tokens_B)
 
 
 def _propose_pld(drafter, target, cache, pairs, context, pool):
   tokens_BW, num_tokens_B = context
-  tokens, ok = pld_candidates(tokens_BW, num_tokens_B, pool.depth, drafter.cfg.max_ngram)
+  tokens, ok, _ = pld_candidates(tokens_BW, num_tokens_B, pool.depth, drafter.cfg.max_ngram)
   logp = jnp.where(ok, 0.0, -jnp.inf)
   return cache, _nodes_from_candidates(tokens[..., None], logp[..., None], pool)
 

@@ -299,10 +299,13 @@ def verify(
   )
 
 
-def _find_chains(state: DecodeState, length: int) -> tuple[jax.Array, jax.Array]:
+def _find_chains(state: DecodeState, length: int) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Every sequence's prompt-lookup chain of `length` tokens and where it was found, [B, L]
-  each (`pld_candidates` over `LOOKUP_NGRAMS`)."""
-  return pld_candidates(state.tokens, state.num_tokens, length, LOOKUP_NGRAMS[1], LOOKUP_NGRAMS[0])
+  each, and [B] how far back its match runs (`pld_candidates` over `LOOKUP_NGRAMS`)."""
+  shortest, longest = LOOKUP_NGRAMS
+  return pld_candidates(
+    state.tokens, state.num_tokens, length, longest, shortest, max_match=adaptive.LONG_MATCH
+  )
 
 
 def _with_lookup(state, pool, tree, node_tokens, node_table, lookup=None):
@@ -311,7 +314,7 @@ def _with_lookup(state, pool, tree, node_tokens, node_table, lookup=None):
   rows are -1. `lookup`: the chains if already found (`pld_candidates`, L or more long)."""
   if lookup is None:
     lookup = _find_chains(state, pool.lookup)
-  lookup_tokens, ok = (x[:, : pool.lookup] for x in lookup)
+  lookup_tokens, ok = (x[:, : pool.lookup] for x in lookup[:2])
   node_tokens = jnp.concatenate([node_tokens, lookup_tokens], axis=1)
   if node_table is not None:
     node_table = jnp.pad(node_table, ((0, 0), (0, pool.lookup)), constant_values=-1)
@@ -615,11 +618,12 @@ def _option_round(
 def _choose_next(plan: Plan, state: DecodeState) -> DecodeState:
   """The state with the next round's option chosen (`adaptive.choose`) from its statistics
   and whether each sequence's context repeats (a lookup exists) now."""
-  found = jnp.zeros(state.done.shape, jnp.bool_)
+  match = jnp.zeros(state.done.shape, jnp.int32)
   if plan.tree.lookup:
-    found = _find_chains(state, 1)[1][:, 0]
-  choice, chain = adaptive.choose(state.adapt, plan.tree, found, ~state.done)
-  return state.replace(adapt=state.adapt.replace(choice=choice, chain=chain))
+    match = _find_chains(state, 1)[2]
+  choice, chain = adaptive.choose(state.adapt, plan.tree, match, ~state.done)
+  long_match = match >= adaptive.LONG_MATCH
+  return state.replace(adapt=state.adapt.replace(choice=choice, chain=chain, long_match=long_match))
 
 
 def _draft_option(plan, fixed, target, drafter, state) -> tuple[DecodeState, KVCache | None]:

@@ -334,6 +334,38 @@ def test_a_chain_that_does_not_pay_is_left_out():
   assert [int(x) for x in adaptive.choose(stats, pool, match, active)] == [0, 0]
 
 
+def test_a_long_match_is_weighed_apart_from_short_ones():
+  """A lookup chain's acceptance goes with how far back its match runs: a copied line (a long
+  match) is accepted far more often than a two-token match. Prompt lookup's set (`lookup:4` and
+  `lookup:8`, 1.55 and 2.05 root-alone rounds): the priors take the short chain after a short
+  match and the long one after a long match; short matches that are never accepted drop their
+  chain, and a long match still takes the long one."""
+  pool = tree_specs.parse("adaptive:lookup:4|lookup:8", 4)
+  stats = adaptive.init_stats(pool, 1, ((1.0, 1.0), (1.0, 1.55), (1.0, 2.05)))
+  active, short, long = jnp.asarray([True]), jnp.asarray([2]), jnp.asarray([adaptive.LONG_MATCH])
+
+  def pick(stats, match):
+    choice, chain = adaptive.choose(stats, pool, match, active)
+    return stats.replace(choice=choice, chain=chain, long_match=match >= adaptive.LONG_MATCH)
+
+  assert [int(x) for x in adaptive.choose(stats, pool, short, active)] == [1, 1]
+  assert [int(x) for x in adaptive.choose(stats, pool, long, active)] == [2, 1]
+  stats, misses = pick(stats, short), 0
+  while int(stats.choice) and misses < 50:  # the short chain verified, never accepted
+    nodes = adaptive.union_nodes(pool)[int(stats.choice)]
+    reach = jnp.zeros((1, pool.num_nodes + pool.lookup), jnp.bool_).at[:, nodes].set(True)
+    path = jnp.zeros((1, pool.max_depth + 1), jnp.int32)
+    stats = pick(adaptive.observe(stats, pool, reach, path, jnp.asarray([0]), active), short)
+    misses += 1
+  # Dropped after a few misses (the estimate is the mean of the rounds so far, the prior weighing
+  # four), and the long matches' estimates are as they were.
+  assert 4 <= misses <= 12 and int(stats.choice) == 0
+  np.testing.assert_array_equal(
+    stats.lookup[:, 1], adaptive.init_stats(pool, 1, ((1, 1),) * 3).lookup[:, 1]
+  )
+  assert [int(x) for x in adaptive.choose(stats, pool, long, active)] == [2, 1]
+
+
 def test_a_chain_alone_without_its_chain_is_the_root_alone():
   """`lookup:3` without its chain verifies the root alone: no option (no compiled round) of its
   own, and never chosen, even at a cost below the root's; with the chain it is an option."""

@@ -405,23 +405,41 @@ def test_decoding_drafts_what_training_predicts(target, kind, options):
 def test_pld_proposes_the_continuation_of_the_longest_recent_match():
   tokens = jnp.asarray([[1, 2, 3, 9, 1, 2, 3, 4, 5, 7, 2, 3, 0, 0]])
   # Suffix (2, 3) -> the most recent earlier "2 3" is at 5..6, followed by 4 5 7 2.
-  out, ok = propose_lib.pld_candidates(tokens, jnp.asarray([12]), 4, max_ngram=3)
+  out, ok, _ = propose_lib.pld_candidates(tokens, jnp.asarray([12]), 4, max_ngram=3)
   assert out.tolist() == [[4, 5, 7, 2]] and ok.tolist() == [[True] * 4]
   # Suffix "7 2 3" as a 3-gram never occurred before; "2 3" did -> the 2-gram wins.
   tokens = jnp.asarray([[1, 2, 3, 8, 6, 6, 7, 2, 3, 0]])
-  out, ok = propose_lib.pld_candidates(tokens, jnp.asarray([9]), 4, max_ngram=3)
+  out, ok, _ = propose_lib.pld_candidates(tokens, jnp.asarray([9]), 4, max_ngram=3)
   assert out[0, :4].tolist() == [8, 6, 6, 7] and ok.tolist() == [[True] * 4]
   # No match at all.
-  out, ok = propose_lib.pld_candidates(jnp.asarray([[4, 5, 6, 7]]), jnp.asarray([4]), 2, 2)
+  out, ok, _ = propose_lib.pld_candidates(jnp.asarray([[4, 5, 6, 7]]), jnp.asarray([4]), 2, 2)
   assert ok.tolist() == [[False, False]]
   # A continuation that reaches the known tokens' end repeats the span it covered: 4 (5 4) 5 4.
-  out, ok = propose_lib.pld_candidates(jnp.asarray([[4, 5, 4, 0]]), jnp.asarray([3]), 3, 2)
+  out, ok, _ = propose_lib.pld_candidates(jnp.asarray([[4, 5, 4, 0]]), jnp.asarray([3]), 3, 2)
   assert out.tolist() == [[5, 4, 5]] and ok.tolist() == [[True] * 3]
-  out, ok = propose_lib.pld_candidates(jnp.asarray([[7, 1, 1, 1, 0]]), jnp.asarray([4]), 4, 3)
+  out, ok, _ = propose_lib.pld_candidates(jnp.asarray([[7, 1, 1, 1, 0]]), jnp.asarray([4]), 4, 3)
   assert out.tolist() == [[1] * 4] and ok.tolist() == [[True] * 4]
   # min_ngram: a lone repeated token is no match when pairs are asked for.
-  out, ok = propose_lib.pld_candidates(jnp.asarray([[4, 5, 4, 0]]), jnp.asarray([3]), 3, 3, 2)
+  out, ok, _ = propose_lib.pld_candidates(jnp.asarray([[4, 5, 4, 0]]), jnp.asarray([3]), 3, 3, 2)
   assert ok.tolist() == [[False] * 3]
+
+
+def test_pld_tells_how_far_back_its_match_runs():
+  """The match length counts back from the suffix's end over the occurrence it took, at least
+  the n-gram, at most `max_match`; 0 without a match."""
+  line = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+  tokens = jnp.asarray([[3, *line, 99, 1, *line, 0, 0]])
+  n = 3 + 2 * len(line)  # "... 12 13 14" again: the line matches 10 back (then 3 against 1)
+  cases = [(n, 4, 4), (n, 16, 10), (n - 3, 16, 7)]
+  for end, cap, want in cases:
+    _, ok, match = propose_lib.pld_candidates(tokens, jnp.asarray([end]), 2, 3, max_match=cap)
+    assert bool(ok[0, 0]) and match.tolist() == [want], (end, cap)
+  _, ok, match = propose_lib.pld_candidates(jnp.asarray([[4, 5, 6, 7]]), jnp.asarray([4]), 2, 2)
+  assert match.tolist() == [0] and not bool(ok[0, 0])
+  # Two sequences: a 2-gram match ("4 5" once before, preceded by 1 against 2) and none.
+  tokens = jnp.asarray([[1, 4, 5, 9, 2, 4, 5], [1, 2, 3, 4, 5, 6, 7]])
+  _, _, match = propose_lib.pld_candidates(tokens, jnp.asarray([7, 7]), 2, 3)
+  assert match.tolist() == [2, 0]
 
 
 def test_bad_input_is_one_clear_error(target):
