@@ -448,6 +448,17 @@ def _on_path(verified: Verified, accepted) -> OnPath:
   )
 
 
+def _tied_to_pass(kv, bonus_B):
+  """The path's keys/values [L, B, T, K, H], made to depend on the bonus token, so on the whole
+  pass: plain decoding's write (its path is the root) does not otherwise depend on the
+  attention that reads the cache, and XLA copied each layer's cache twice per step, as if the
+  write could come first (docs/design.md 3.6). A select on `bonus >= 0` (always true: a token
+  id) keeps the values bit for bit; XLA:CPU drops an optimization barrier before its copy
+  insertion, which then still copied the last layer's."""
+  valid = (bonus_B >= 0)[None, :, None, None, None]
+  return tuple(jnp.where(valid, x, jnp.zeros_like(x)) for x in kv)
+
+
 def _write_path(plan, state, on: OnPath) -> tuple[DecodeState, Pairs]:
   """Writes an accepted path's tokens and keys/values (`commit`); returns the new pairs."""
   depth = plan.max_depth
@@ -467,11 +478,7 @@ def _write_path(plan, state, on: OnPath) -> tuple[DecodeState, Pairs]:
   budget = plan.max_new_tokens - state.num_generated
   kept = jnp.where(active, jnp.minimum(jnp.minimum(offered, first_eos + 1), budget), 0)
   # The root and the kept drafts but the last enter the cache; the last kept token is the bonus.
-  # The write is tied to the bonus token, so to the whole pass. Without it, plain decoding's
-  # write (its path is the root) did not depend on the attention that reads the cache, and XLA
-  # copied every layer's cache twice per step (docs/design.md 3.6).
-  kv_path, _ = jax.lax.optimization_barrier((on.kv, bonus))
-  cache = state.cache.write(kv_path, kept)
+  cache = state.cache.write(_tied_to_pass(on.kv, bonus), kept)
   # Rows past `kept` write to index `total`, which mode="drop" discards.
   where = jnp.where(index < kept[:, None], n[:, None] + 1 + index, total)
   tokens = state.tokens.at[rows[:, None], where].set(new, mode="drop")
