@@ -112,7 +112,6 @@ class Stats:
   lookup_long: jax.Array  # [B, 2, L]
   drafted_rounds: jax.Array  # [B, 2, Md - 1] float32 rounds that verified each drafted node
   lookup_rounds: jax.Array  # [B, 2, L] float32 rounds that verified each lookup node
-  long_match: jax.Array  # [B] bool: whether the lookup the next round finds is a long match
   chosen: jax.Array  # [C] int32 rounds verified with each candidate
   chained: jax.Array  # [C] int32 those of them that also verified its lookup chain
   costs: jax.Array  # [2, C] a round's cost with each candidate, without / with its lookup chain
@@ -164,7 +163,6 @@ def init_stats(
     lookup_long=lookup,
     drafted_rounds=jnp.zeros_like(drafted),
     lookup_rounds=jnp.zeros_like(lookup),
-    long_match=jnp.zeros((batch,), jnp.bool_),
     chosen=jnp.zeros((len(pool.candidates),), jnp.int32),
     chained=jnp.zeros((len(pool.candidates),), jnp.int32),
     costs=jnp.asarray(costs, jnp.float32).T,
@@ -262,10 +260,11 @@ def observe(
   path_BP1: jax.Array,
   num_accepted_B: jax.Array,
   active_B: jax.Array,
+  match_B: jax.Array | None = None,
 ) -> Stats:
   """The estimates after a round that verified the union's nodes `reach` [B, M] and accepted
-  `path` (union indices; active sequences); its lookup chain's, under the kind of match the
-  round found (`Stats.long_match`)."""
+  `path` (union indices; active sequences); its lookup chain's under the kind of match it came
+  from (`match_B` as `expected_tokens` takes it; None: no chain ran)."""
   m = reach.shape[1]
   depth = path_BP1.shape[1] - 1
   on_path = jnp.any(
@@ -303,7 +302,8 @@ def observe(
     on_path[:, None, 1:drafted],
     stats.decay,
   )
-  kind_B2 = jnp.stack([~stats.long_match, stats.long_match], axis=1)
+  long_B = jnp.zeros_like(active_B) if match_B is None else match_B >= LONG_MATCH
+  kind_B2 = jnp.stack([~long_B, long_B], axis=1)
   lookup_j, lookup_long, lookup_rounds = update(
     stats.lookup,
     stats.lookup_long,

@@ -614,7 +614,8 @@ def _option_round(
   path = _pad(nodes[accepted[0]], 1, plan.max_depth + 1)
   active = ~state.done
   ran = state.adapt.replace(choice=jnp.int32(c))  # the option run, whatever was chosen
-  stats = adaptive.observe(ran, pool, reach, path, accepted[1], active)
+  match = None if lookup is None else lookup[2]
+  stats = adaptive.observe(ran, pool, reach, path, accepted[1], active, match)
   state, pairs = _write_path(
     fixed, state.replace(drafter_cache=drafter_cache), _on_path(verified, accepted)
   )
@@ -629,8 +630,7 @@ def _choose_next(plan: Plan, state: DecodeState) -> DecodeState:
   if plan.tree.lookup:
     match = _find_chains(state, 1)[2]
   choice, chain = adaptive.choose(state.adapt, plan.tree, match, ~state.done)
-  long_match = match >= adaptive.LONG_MATCH
-  return state.replace(adapt=state.adapt.replace(choice=choice, chain=chain, long_match=long_match))
+  return state.replace(adapt=state.adapt.replace(choice=choice, chain=chain))
 
 
 def _draft_option(plan, fixed, target, drafter, state) -> tuple[DecodeState, KVCache | None]:

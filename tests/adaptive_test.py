@@ -346,7 +346,7 @@ def test_a_long_match_is_weighed_apart_from_short_ones():
 
   def pick(stats, match):
     choice, chain = adaptive.choose(stats, pool, match, active)
-    return stats.replace(choice=choice, chain=chain, long_match=match >= adaptive.LONG_MATCH)
+    return stats.replace(choice=choice, chain=chain)
 
   assert [int(x) for x in adaptive.choose(stats, pool, short, active)] == [1, 1]
   assert [int(x) for x in adaptive.choose(stats, pool, long, active)] == [2, 1]
@@ -355,7 +355,8 @@ def test_a_long_match_is_weighed_apart_from_short_ones():
     nodes = adaptive.union_nodes(pool)[int(stats.choice)]
     reach = jnp.zeros((1, pool.num_nodes + pool.lookup), jnp.bool_).at[:, nodes].set(True)
     path = jnp.zeros((1, pool.max_depth + 1), jnp.int32)
-    stats = pick(adaptive.observe(stats, pool, reach, path, jnp.asarray([0]), active), short)
+    stats = adaptive.observe(stats, pool, reach, path, jnp.asarray([0]), active, short)
+    stats = pick(stats, short)
     misses += 1
   # Dropped after a few misses (the estimate is the mean of the rounds so far, the prior weighing
   # four), and the long matches' estimates are as they were.
