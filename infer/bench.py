@@ -202,13 +202,14 @@ def run(config, progress=True) -> dict:
       max_new_tokens=config.max_new_tokens, eos_ids=eos_ids, pad_id=pad_id, mesh=mesh
     )
 
-  def costs(s: measure.Setting, cfg) -> tuple:
-    """An adaptive tree's round costs on this machine (measured once, then read back)."""
+  def costs(s: measure.Setting, cfg, width: int) -> tuple:
+    """An adaptive tree's round costs on this machine (measured once, in the program that
+    decodes the dataset's prompts, then read back)."""
     drafter = drafters.get(s.method)
     if drafter is None or not decode.resolve_tree(cfg, drafter).candidates:
       return ()
     first = prompts[s.dataset][0]
-    return calibration.costs_for(target, drafter, cfg, s.batch_size, first)
+    return calibration.costs_for(target, drafter, cfg, s.batch_size, first, width)
 
   runners = {}
   for s in settings:
@@ -224,7 +225,7 @@ def run(config, progress=True) -> dict:
     else:
       width = prompts_lib.bucket(max(map(len, prompts[s.dataset])))
       cfg = decode_config(s)
-      cfg = dataclasses.replace(cfg, costs=costs(s, cfg))
+      cfg = dataclasses.replace(cfg, costs=costs(s, cfg, width))
       runners[s] = measure.OurMethod(target, drafters.get(s.method), cfg, pad_id, width)
 
   def time_split(s: measure.Setting) -> dict[str, float] | None:

@@ -49,6 +49,7 @@ def main():
       cfg,
       FLAGS.batch_size,
       ids,
+      prompts_lib.bucket(2 * len(ids)),  # the prompt twice (`calibration.measure`)
       path=FLAGS.out or None,
       log=print,
       recalibrate=True,

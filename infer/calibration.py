@@ -1,45 +1,44 @@
 """What a round with each candidate of an adaptive tree costs on this machine, measured once.
 
 An adaptive tree (`pspec_jax.adaptive`) weighs each candidate's expected tokens against the cost
-of a round with it, relative to a plain round. The costs depend on the device, the target, its
-dtype and the batch size, so they are measured once per (device kind, target, dtype, batch) and
-kept in `pspec_jax.cache_dir("calibration")/round_costs.json`, one entry per candidate (its
-drafter kind, draft vocabulary and tree) and acceptance rule: a sampled round (T > 0) costs
+of a round with it, relative to a round with the root alone. The costs depend on the device, the
+target, its dtype and the batch size, so they are measured once per (device kind, target, dtype,
+batch) and kept in `pspec_jax.cache_dir("calibration")/round_costs.json`, one entry per candidate
+(its drafter kind, draft vocabulary and tree) and acceptance rule: a sampled round (T > 0) costs
 more than a greedy one, and more again with drafts drawn from q (filtering, Gumbel draws), so
-sampled rounds are timed at their own sampling settings and kept apart (`rule_key`). A
-program that decodes with an adaptive tree (`infer.generate`, `infer.bench`) reads them from
-there, measuring what is missing at its first decode (two round programs, compiled and
-timed); `python -m infer.calibrate` measures on demand. Every measurement is printed and
-stored with its raw times:
+sampled rounds are timed at their own sampling settings and kept apart (`rule_key`). A program
+that decodes with an adaptive tree (`infer.generate`, `infer.bench`) reads them from there,
+measuring what is missing at its first decode; `python -m infer.calibrate` measures on demand.
+Every measurement is printed and stored with its raw times:
 
   cost(c) = round(c) / round(root alone)
 
-where round(c) is a round of c as the adaptive loop runs it while c stays chosen (the choice pinned
-to c, `rounds.adaptive_rounds`): c's draft, the verification of its nodes, acceptance, the commit,
-the statistics, the lookup search and the next choice (a round that drafts nothing adds its share of
-the feed that takes in the pairs such rounds leave pending). The root alone is the round every
-candidate is weighed against; it costs about a round of plain decoding (also timed and printed).
-Rounds are timed as the loop runs them: several in a row, the caches updated in place, each from the
-same context (where a chain, if the option has it, finds a match). Each candidate has two costs:
-without and with its prompt-lookup chain verified. Summed from a round's passes instead, realized
-rounds had cost 9% (fixed trees) to 25% (adaptive ones) more than calibrated.
+where round(c) is a round of c as the decoding program runs it while c stays chosen: c's draft,
+the verification of its nodes, acceptance, the commit, the statistics, the lookup search and the
+next choice (a round that drafts nothing adds its share of the feed that takes in the pairs such
+rounds leave pending). The rounds are timed in the program that decodes: `decode.run`, compiled
+for the decode's own shapes, with its `restart` on, which starts every round from one state (the
+caches updated in place, as when decoding) where the choice is pinned to c. So calibrating
+compiles nothing the decode does not (the first decode then starts at once), and takes seconds:
+the rounds themselves, `ROUNDS` per option per turn. The state's context repeats the prompt, so
+the lookup finds a match and a candidate's chain runs. Each candidate has two costs: without and
+with its prompt-lookup chain verified. Summed from a round's passes instead, realized rounds had
+cost 9% (fixed trees) to 25% (adaptive ones) more than calibrated.
 
-The candidates and the root alone are timed in turns, `REPEATS` of them, and a cost is the
-median over turns of the candidate's time against the root alone's in the same turn. On a
-shared 2-core machine ten root-alone rounds took 306 to 482 ms within one calibration, and
-costs taken as a ratio of medians over 5 turns came out 1.27 in one sitting and 1.37 in
-another for the same candidate. That was enough to turn the loop's choice at T = 1, where the
-candidates' tokens per cost lie within a few percent of each other. Paired over 15 turns, the
-same costs in three calibrations of one sitting spread by 1-5% (1.31-1.33 and 1.33-1.40 for
-the two drafted candidates asked about), and matched the candidates' rounds timed inside whole
-decodes with the choice pinned (1.27 and 1.36).
+The candidates are timed in turns, `REPEATS` of them, and a cost is the median over turns of the
+candidate's time against the root alone's in the same turn. On a shared 2-core machine ten
+root-alone rounds took 306 to 482 ms within one calibration, and costs taken as a ratio of medians
+over 5 turns came out 1.27 in one sitting and 1.37 in another for the same candidate. That was
+enough to turn the loop's choice at T = 1, where the candidates' tokens per cost lie within a few
+percent of each other. Paired over 15 turns, the same costs in three calibrations of one sitting
+spread by 1-5% (1.31-1.33 and 1.33-1.40 for the two drafted candidates asked about), and matched
+the candidates' rounds timed inside whole decodes with the choice pinned (1.27 and 1.36).
 
 A file that cannot be read as a calibration (corrupt, or of another version) is reported in one
 line and measured again; it never stops a decode.
 """
 
 import dataclasses
-import functools
 import json
 import os
 import sys
@@ -51,16 +50,15 @@ import numpy as np
 import pspec_jax
 from infer import measure as measure_lib
 from pspec_jax import adaptive, cpu_kernel, decode
-from pspec_jax import prompts as prompts_lib
 from pspec_jax import propose as propose_lib
-from pspec_jax import rounds as rounds_lib
 
+# 10: timed in the decoding program itself (`decode.run` restarted), at the decode's shapes;
 # 8: an option's rounds as the adaptive loop runs them (`rounds.adaptive_rounds`), no switch;
 # 7: a candidate's round without its lookup chain verifies its drafted tree alone (2-6% of a
 # plain round cheaper); 6: costs from paired turns (`measure.paired_ratio`), 15 of them;
 # 5: an adaptive round's bonus noise drawn before its switch (root-alone rounds 4% cheaper at
 # T = 1); 4: whole rounds from one context, against the root alone; 2: summed passes.
-VERSION = 9
+VERSION = 10
 FILE = "round_costs.json"
 # The pinned candidate's cost, and every other option's: only the pinned one is affordable.
 PINNED_IN, PINNED_OUT = 1e-3, 1e9
@@ -155,96 +153,105 @@ def _pinned(state, choice: int, chain: bool, pool):
   return state.replace(adapt=stats)
 
 
-def _start(plan, target, drafter, ids: list[int], batch: int):
-  """The state rounds are timed from: `batch` copies of prompt `ids` twice, prefilled, and
-  the first bonus token made the prompt's first one, so the context ends as the first copy
+def _start(plan, target, drafter, ids: list[int], batch: int, width: int):
+  """The state rounds are timed from: `batch` copies of prompt `ids` (cut to half of `width`)
+  twice, prefilled at the decode's width, the adaptive costs any (the option is pinned later),
+  and the first bonus token made the prompt's first one, so the context ends as the first copy
   flows into the second and the lookup finds a match (a chain of the prompt)."""
-  inputs = (*prompts_lib.pad_batch([ids + ids] * batch), jax.random.key(0))  # tokens, lengths, key
-  state = decode.init(plan, target, drafter, *inputs)
+  ids = ids[: width // 2]
+  tokens = np.zeros((batch, width), np.int32)
+  tokens[:, : 2 * len(ids)] = ids + ids
+  lengths = np.full((batch,), 2 * len(ids), np.int32)
+  costs = jnp.ones((len(plan.tree.candidates), 2), jnp.float32)
+  state = decode.init(plan, target, drafter, tokens, lengths, jax.random.key(0), costs)
   return state.replace(tokens=state.tokens.at[:, 2 * len(ids)].set(ids[0]))
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _rounds(plan, target, drafter, state, count):
-  """`count` rounds of the decoding loop (an adaptive tree's as `rounds.adaptive_rounds` runs
-  them, the pinned option's loop running them all), each from `state`'s context: the caches'
-  buffers are carried and updated in place, as inside `decode.generate`'s loop, and everything
-  else (the tokens, the lengths, the statistics and the choice, the pending pairs) starts over
-  from `state`, so every round is the same round. One compilation for any count."""
+_copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
 
-  def again(s):
-    # The context passes an optimization barrier with the carried step, so no part of a round
-    # is loop-invariant: XLA would otherwise hoist whatever depends on the context alone (a
-    # medusa draft, the lookup's search) out of the timed loop, and the round would time short.
-    def buffers(cache, carried):  # `cache` with the carried buffers (None: without any)
-      if cache is None:
-        return None
-      return cache.replace(
-        k=None if carried is None else carried.k, v=None if carried is None else carried.v
+
+class _Rounds:
+  """`ROUNDS` rounds of the decoding program (`decode.run`, restarted: each round from one
+  state's context) for each pinned state: one call times one option. The calls share the
+  caches' buffers, which `decode.run` takes (donated) and hands back updated in place."""
+
+  def __init__(self, plan, target, drafter, state):
+    self.plan, self.target, self.drafter = plan, target, drafter
+    self.buffers = (state.cache, state.drafter_cache)
+
+  def timer(self, start):
+    """A call of `ROUNDS` rounds from `start` (a state whose buffers are not read)."""
+
+    def unbuffered(cache):
+      return None if cache is None else cache.replace(k=None, v=None)
+
+    context = start.replace(
+      cache=unbuffered(start.cache), drafter_cache=unbuffered(start.drafter_cache)
+    )
+
+    def call():
+      def buffered(cache, carried):
+        return None if cache is None else cache.replace(k=carried.k, v=carried.v)
+
+      state = _copy(context)  # `decode.run` takes its state
+      state = state.replace(
+        cache=buffered(state.cache, self.buffers[0]),
+        drafter_cache=buffered(state.drafter_cache, self.buffers[1]),
       )
+      out = decode.run(
+        self.plan, self.target, self.drafter, state, state.step + ROUNDS, np.bool_(True)
+      )
+      self.buffers = (out.cache, out.drafter_cache)
+      return out
 
-    context = state.replace(
-      cache=buffers(state.cache, None), drafter_cache=buffers(state.drafter_cache, None)
-    )
-    out, step = jax.lax.optimization_barrier((context, s.step))
-    return out.replace(
-      cache=buffers(out.cache, s.cache),
-      drafter_cache=buffers(out.drafter_cache, s.drafter_cache),
-      step=step,
-    )
-
-  if plan.tree.candidates:
-    stop = state.step + count
-    return rounds_lib.adaptive_rounds(plan, target, drafter, state, stop, before_round=again)
-  step = lambda _, s: rounds_lib.round_step(plan, target, drafter, again(s))
-  return jax.lax.fori_loop(0, count, step, state)
+    return call
 
 
 def measure(
-  target, drafter, pool, batch: int, ids: list[int], cfg=None, repeats: int = REPEATS
+  target, drafter, cfg, batch: int, ids: list[int], width: int, repeats: int = REPEATS
 ) -> dict:
-  """Raw times (ms per round, medians of `repeats`) and the costs of every candidate of `pool`,
-  under the sampling settings and draft rule of DecodeConfig `cfg` (default: greedy).
+  """Raw times (ms per round, medians of `repeats`) and the costs of every candidate of the
+  adaptive tree of DecodeConfig `cfg`, for prompts `width` tokens wide, under its sampling
+  settings and draft rule.
 
-  Rounds are timed whole, as the decoding loop runs them, `ROUNDS` in a row from the same context
-  (`_rounds`), with the choice pinned to each option (a candidate with and without its chain) in
-  turn, and so are plain rounds. The context is the prompt `ids` twice and its first token again, so
-  the lookup finds a match and a chain runs where the option has it. A round that drafts nothing
-  leaves its pairs pending, and a feed takes them in once per `kept + 1` such rounds: that share of
-  a feed is added to its time. Costs are relative to the root alone's round.
+  Rounds are timed whole, in the program that decodes (`decode.run` for `cfg`'s plan at this
+  width, restarted: compiled once for both), `ROUNDS` in a row from the same context, with the
+  choice pinned to each option (a candidate with and without its chain) in turn. The context is
+  the prompt `ids` twice and its first token again, so the lookup finds a match and a chain runs
+  where the option has it. A round that drafts nothing leaves its pairs pending, and a feed
+  takes them in once per `kept + 1` such rounds: that share of a feed is added to its time.
+  Costs are relative to the root alone's round.
 
   Returns {candidate spec: {"costs": [without, with lookup], ...times}}.
   """
   drafter = drafter.with_head(target)
-  cfg = cfg or decode.DecodeConfig()
-  base = dataclasses.replace(cfg, max_new_tokens=pool.max_depth + 8, costs=(), mesh=None)
-  plain = decode.make_plan(base, None, 2 * len(ids))
-  state = _start(plain, target, None, ids, batch)
-  calls = {"plain": (_rounds, plain, target, None, state, ROUNDS)}
-  plan = decode.make_plan(dataclasses.replace(base, tree=pool.spec), drafter, 2 * len(ids))
-  state = _start(plan, target, drafter, ids, batch)
+  plan = decode.make_plan(cfg, drafter, width)
+  pool = plan.tree
+  state = _start(plan, target, drafter, ids, batch, width)
+  rounds = _Rounds(plan, target, drafter, state)
+  calls = {}
   for c, chain in adaptive.options(pool):
-    calls[(c, chain)] = (_rounds, plan, target, drafter, _pinned(state, c, chain, pool), ROUNDS)
+    calls[(c, chain)] = (rounds.timer(_pinned(state, c, chain, pool)),)
   kept = pool.max_depth + 1
   if state.drafter_cache is not None:  # a buffer's worth of pending pairs, taken in by one feed
     pending = state.pending
     full = pending.replace(count=jnp.full_like(pending.count, pending.tokens.shape[1]))
-    calls["feed"] = (jax.jit(propose_lib.feed), drafter, target, state.drafter_cache, full)
+    cache = _copy(state.drafter_cache)  # the rounds take the state's own buffers
+    calls["feed"] = (jax.jit(propose_lib.feed), drafter, target, cache, full)
   times = measure_lib.interleaved_times(calls, repeats)
   feed = np.asarray(times.pop("feed", [0.0] * repeats)) / (kept + 1)  # per round, per turn
-  rounds = {name: np.asarray(t) / ROUNDS for name, t in times.items()}  # ms per round, per turn
-  root = rounds[(0, False)] + feed  # the root alone: the adaptive round to beat
+  per_round = {name: np.asarray(t) / ROUNDS for name, t in times.items()}  # ms, per turn
+  root = per_round[(0, False)] + feed  # the root alone: the adaptive round to beat
   out = {}
   for c, cand in enumerate(pool.candidates):
     share = 0.0 if cand.paths else feed
     # A chain alone without its chain is the root alone; a candidate without one, itself.
-    alone = rounds.get((c, False), rounds[(0, False)])
-    per_turn = [rounds.get((c, chain), alone) + share for chain in (False, True)]
+    alone = per_round.get((c, False), per_round[(0, False)])
+    per_turn = [per_round.get((c, chain), alone) + share for chain in (False, True)]
     n0, n1 = adaptive.verified_nodes(pool)[c]
     ratios = [measure_lib.paired_ratio(t, root) for t in per_turn]
     out[cand.spec] = dict(
       costs=[1.0 if c == 0 else max(1.0, float(r)) for r in ratios],
-      plain_ms=float(np.median(rounds["plain"])),
       round_ms=[float(np.median(t)) for t in per_turn],
       nodes=[n0, n1],
     )
@@ -255,13 +262,13 @@ def explain(key: str, entries: dict[str, dict]) -> str:
   """A table of the candidates' costs and the times they come from."""
   lines = [
     f"Round costs on {key} (a round with the root alone is 1; round times are medians, ms):",
-    "| candidate | nodes | cost | cost with lookup | round ms | plain round ms |",
-    "|---|---|---|---|---|---|",
+    "| candidate | nodes | cost | cost with lookup | round ms |",
+    "|---|---|---|---|---|",
   ]
   for name, e in entries.items():
     lines.append(
       f"| {name} | {e['nodes'][0]}/{e['nodes'][1]} | {e['costs'][0]:.3f} | {e['costs'][1]:.3f} | "
-      f"{e['round_ms'][0]:.2f}/{e['round_ms'][1]:.2f} | {e['plain_ms']:.2f} |"
+      f"{e['round_ms'][0]:.2f}/{e['round_ms'][1]:.2f} |"
     )
   return "\n".join(lines)
 
@@ -272,6 +279,7 @@ def costs_for(
   cfg,
   batch: int,
   ids: list[int],
+  width: int,
   *,
   path: str | None = None,
   log=None,
@@ -279,8 +287,9 @@ def costs_for(
 ) -> tuple[tuple[float, float], ...]:
   """The candidate costs of `cfg`'s adaptive tree for `DecodeConfig.costs` (() for any other
   tree): read from the calibration file, the missing ones measured (on prompt `ids`, `batch`
-  copies of it) and stored. `log` (default: stderr) gets every measured table and any problem
-  with the file; `recalibrate` measures every candidate again."""
+  copies of it, in the program that decodes prompts `width` tokens wide) and stored. `log`
+  (default: stderr) gets every measured table and any problem with the file; `recalibrate`
+  measures every candidate again."""
   log = log or (lambda text: print(text, file=sys.stderr, flush=True))
   pool = decode.resolve_tree(cfg, drafter)
   if not pool.candidates:
@@ -297,7 +306,7 @@ def costs_for(
   names = [candidate_key(drafter, c, rule) for c in pool.candidates]
   if recalibrate or any(n not in entries for n in names):
     log(f"calibrating round costs for {pool.spec}{rule} on {key} ...")
-    measured = measure(target, drafter, pool, batch, ids, cfg)
+    measured = measure(target, drafter, cfg, batch, ids, width)
     fresh = {n: measured[c.spec] for n, c in zip(names, pool.candidates, strict=True)}
     entries.update(fresh)
     log(explain(key, fresh))

@@ -78,14 +78,15 @@ def main() -> None:
   if mesh is not None:
     _, drafter = decode.shard(mesh, target, drafter)
   check_num_draft(FLAGS.num_draft, cfg, drafter)
-  if drafter is not None and decode.resolve_tree(cfg, drafter).candidates:
-    # An adaptive tree weighs this machine's round costs: measured once, then read back.
-    batch = min(FLAGS.batch_size, len(encoded))
-    cfg = dataclasses.replace(
-      cfg, costs=calibration.costs_for(target, drafter, cfg, batch, encoded[0])
-    )
   depth = decode.resolve_tree(cfg, drafter).max_depth
   max_width = target.cfg.max_position_embeddings - cfg.max_new_tokens - depth
+  if drafter is not None and decode.resolve_tree(cfg, drafter).candidates:
+    # An adaptive tree weighs this machine's round costs: measured once (in the program that
+    # decodes the first batch), then read back.
+    first = encoded[: FLAGS.batch_size]
+    width = prompts_lib.pad_batch(first, max_width=max_width)[0].shape[1]
+    costs = calibration.costs_for(target, drafter, cfg, len(first), encoded[0], width)
+    cfg = dataclasses.replace(cfg, costs=costs)
   live = sys.stdout.isatty() and not FLAGS.json and FLAGS.batch_size == 1
   key = jax.random.key(FLAGS.seed)
   total = dict(tokens=0, drafted=0, rounds=0, seconds=0.0, compile_seconds=0.0)

@@ -2,15 +2,17 @@
 section 3).
 
 `generate(target, prompt_tokens, prompt_lengths, key, cfg, drafter)` resolves `cfg` into a
-`Plan` (`make_plan`), runs prefill plus rounds (`pspec_jax.rounds`) until every sequence is
-done, all on device, and cuts the answers out (`finish`). `stream` drives the same jitted round
-from the host and yields each round's tokens. Plain auto-regressive decoding (`drafter=None`)
-is the round whose tree is the root alone. Shapes are fixed by (batch, prompt width,
-max_new_tokens, tree), so prompts padded to the same width reuse the compiled program.
+`Plan` (`make_plan`), prefills (`init`), runs rounds (`run`, `pspec_jax.rounds`) until every
+sequence is done, all on device, and cuts the answers out (`finish`). `stream` steps the same
+compiled `run` a round at a time from the host and yields each round's tokens. Plain
+auto-regressive decoding (`drafter=None`) is the round whose tree is the root alone. Shapes are
+fixed by (batch, prompt width, max_new_tokens, tree), so prompts padded to the same width reuse
+the compiled programs; an adaptive tree's round costs are arrays in the state, not part of
+them.
 
 The round functions are exported here jitted once, the plan their first, static argument:
-`init`, `verify`, `commit`, `draft`, `round_step` (and `accept_path`), for programs that run
-or time a round's parts.
+`init`, `run`, `verify`, `commit`, `draft`, `round_step` (and `accept_path`), for programs
+that run or time a round's parts.
 
 Sharded decoding: `shard` places target and drafter parameters on a mesh by the logical-axis
 rules of training (`sharding.RULES`: heads, MLP width and vocabulary over `tensor`), and
@@ -27,7 +29,7 @@ from jax.sharding import Mesh
 
 from pspec_jax import drafter as drafter_lib
 from pspec_jax import llama, rounds, sharding
-from pspec_jax.decode_plan import DRAFTS, DecodeConfig, Plan, make_plan, resolve_tree
+from pspec_jax.decode_plan import DRAFTS, DecodeConfig, Plan, make_plan, resolve_tree, round_costs
 from pspec_jax.drafter import Drafter
 from pspec_jax.llama import Target
 from pspec_jax.rounds import CACHE_AXES, DecodeState, Verified
@@ -44,13 +46,16 @@ __all__ = [
   "check_inputs",
   "commit",
   "compile_generate",
+  "costs",
   "draft",
   "finish",
   "generate",
   "init",
   "make_plan",
   "resolve_tree",
+  "round_costs",
   "round_step",
+  "run",
   "shard",
   "stream",
   "verify",
@@ -108,25 +113,34 @@ def shard(mesh: Mesh, target: Target, drafter: Drafter | None = None):
   return target, drafter
 
 
-def _generate(plan, target, drafter, prompt_tokens, prompt_lengths, key):
+def _generate(plan, target, drafter, prompt_tokens, prompt_lengths, key, costs):
+  """`generate` as one function of its arrays (`compile_generate` compiles it whole)."""
+  state = _init(plan, target, drafter, prompt_tokens, prompt_lengths, key, costs)
+  return finish(plan, rounds.run(plan, target, drafter, state, *_DECODING))
+
+
+def _init(plan, target, drafter, prompt_tokens, prompt_lengths, key, costs=None):
+  """`rounds.init`, the prompts kept over the mesh's batch axis."""
   prompt_tokens = sharding.constrain(prompt_tokens, ("batch", "length"), plan.mesh)
   prompt_lengths = sharding.constrain(prompt_lengths, ("batch",), plan.mesh)
-  if drafter is not None:
-    # A drafter loaded for the target has its head (`drafter_files.load_drafter`); else it is
-    # gathered here, once per call, not every round.
-    drafter = drafter.with_head(target)
-  state = rounds.init(plan, target, drafter, prompt_tokens, prompt_lengths, key)
-  return finish(plan, rounds.run(plan, target, drafter, state))
+  return rounds.init(plan, target, drafter, prompt_tokens, prompt_lengths, key, costs)
 
 
-# The library's jitted entry points, the plan static. `stream` donates the state it steps.
-init = jax.jit(rounds.init, static_argnums=0)
+# `run`'s stop and restart when decoding: every round up to the budget, none restarted. They are
+# arrays, so calibrating (`infer.calibration`: a few rounds, each restarted) runs the same program.
+_DECODING = (np.int32(np.iinfo(np.int32).max), np.bool_(False))
+
+# The library's jitted entry points, the plan static. A decode runs three programs: `init`
+# (the prefill and the first draft), `run` (its rounds; it donates the state, so the caches are
+# updated in place) and `_finish_jit`; `stream` steps `run` a round at a time.
+init = jax.jit(_init, static_argnums=0)
 verify = jax.jit(rounds.verify, static_argnums=0)
 accept_path = jax.jit(rounds.accept_path, static_argnums=0)
 commit = jax.jit(rounds.commit, static_argnums=0)
 draft = jax.jit(rounds.draft, static_argnums=0)
 round_step = jax.jit(rounds.round_step, static_argnums=0)
-_round_donating = jax.jit(rounds.round_step, static_argnums=0, donate_argnums=3)
+run = jax.jit(rounds.run, static_argnums=0, donate_argnums=3)
+_finish_jit = jax.jit(finish, static_argnums=0)
 _generate_jit = jax.jit(_generate, static_argnums=0)
 
 
@@ -207,7 +221,19 @@ def generate(
   """
   plan = _planned(target, drafter, prompt_tokens, prompt_lengths, cfg)
   tokens, lengths = jnp.asarray(prompt_tokens), jnp.asarray(prompt_lengths)
-  return _generate_jit(plan, target, drafter, tokens, lengths, key)
+  if drafter is not None:
+    # A drafter loaded for the target has its head (`drafter_files.load_drafter`); else it is
+    # gathered here, once per call, not every round.
+    drafter = drafter.with_head(target)
+  state = init(plan, target, drafter, tokens, lengths, key, costs(cfg, plan))
+  return _finish_jit(plan, run(plan, target, drafter, state, *_DECODING))
+
+
+def costs(cfg: DecodeConfig, plan: Plan) -> jax.Array | None:
+  """The adaptive tree's round costs `init` takes (`round_costs`), [C, 2]; None for any other
+  tree."""
+  pairs = round_costs(cfg, plan)
+  return jnp.asarray(pairs, jnp.float32) if pairs else None
 
 
 def compile_generate(
@@ -221,7 +247,11 @@ def compile_generate(
   """`generate`'s program compiled for these arguments, which may be abstract (shapes with
   shardings): for its memory and cost analysis; nothing runs and nothing is allocated."""
   plan = make_plan(cfg, drafter, prompt_tokens.shape[1])
-  return _generate_jit.lower(plan, target, drafter, prompt_tokens, prompt_lengths, key).compile()
+  if drafter is not None:
+    drafter = drafter.with_head(target)
+  return _generate_jit.lower(
+    plan, target, drafter, prompt_tokens, prompt_lengths, key, costs(cfg, plan)
+  ).compile()
 
 
 def stream(
@@ -241,7 +271,7 @@ def stream(
   tokens, lengths = jnp.asarray(prompt_tokens), jnp.asarray(prompt_lengths)
   if drafter is not None:
     drafter = drafter.with_head(target)
-  state = init(plan, target, drafter, tokens, lengths, key)
+  state = init(plan, target, drafter, tokens, lengths, key, costs(cfg, plan))
   seen = np.asarray(prompt_lengths)
   while True:
     tokens, known, done = jax.device_get((state.tokens, state.num_tokens, state.done))
@@ -249,4 +279,4 @@ def stream(
     seen = known
     if done.all():
       return
-    state = _round_donating(plan, target, drafter, state)
+    state = run(plan, target, drafter, state, state.step + 1, _DECODING[1])

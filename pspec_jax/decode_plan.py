@@ -2,8 +2,8 @@
 
 `make_plan` resolves a `DecodeConfig` against the drafter's config and the prompt width, at the
 boundary (`decode.generate`, `decode.stream`, the programs): the tree drafted each round, its
-depth, whether drafts are drawn from the drafter's distribution, an adaptive tree's round
-costs and the cache length. The round functions (`pspec_jax.rounds`) take the frozen, hashable
+depth, whether drafts are drawn from the drafter's distribution and the cache length. The round
+functions (`pspec_jax.rounds`) take the frozen, hashable
 `Plan` as their first, static argument and never re-resolve a tree string.
 """
 
@@ -16,7 +16,7 @@ from pspec_jax import tree as tree_lib
 from pspec_jax.drafter import Drafter
 from pspec_jax.sampling import SamplingConfig
 
-__all__ = ["DRAFTS", "DecodeConfig", "Plan", "make_plan", "resolve_tree"]
+__all__ = ["DRAFTS", "DecodeConfig", "Plan", "make_plan", "resolve_tree", "round_costs"]
 
 DRAFTS = ("sampled", "top_k")
 
@@ -87,7 +87,6 @@ class Plan:
     kind: the drafter's kind, or "none" for plain decoding.
     drawn: drafted nodes are drawn from the drafter's distribution q and accepted by
       speculative sampling (`DecodeConfig.drafts`).
-    costs: an adaptive tree's round cost per candidate (resolved); () for any other tree.
     max_len: cache slots per sequence.
     max_new_tokens, sampling, eos_ids, pad_id, mesh: as in `DecodeConfig`.
   """
@@ -95,7 +94,6 @@ class Plan:
   tree: tree_lib.Tree
   kind: str
   drawn: bool
-  costs: tuple[tuple[float, float], ...]
   max_len: int
   max_new_tokens: int
   sampling: SamplingConfig
@@ -134,11 +132,8 @@ def make_plan(cfg: DecodeConfig, drafter: Drafter | None, width: int) -> Plan:
       f"the {kind} drafter proposes at most K={drafter.cfg.num_draft} tokens, the tree needs "
       f"{tree.depth}: lower num_draft or the tree depth"
     )
-  costs = ()
-  if tree.candidates:
-    if cfg.costs:
-      adaptive.check_costs(tree, cfg.costs)
-    costs = cfg.costs or adaptive.default_costs(tree, kind)
+  if tree.candidates and cfg.costs:
+    adaptive.check_costs(tree, cfg.costs)
   needed = width + cfg.max_new_tokens + tree.max_depth
   if cfg.max_len and needed > cfg.max_len:
     raise ValueError(
@@ -156,7 +151,6 @@ def make_plan(cfg: DecodeConfig, drafter: Drafter | None, width: int) -> Plan:
     tree=tree,
     kind=kind,
     drawn=drawn,
-    costs=costs,
     max_len=cfg.max_len or needed,
     max_new_tokens=cfg.max_new_tokens,
     sampling=cfg.sampling,
@@ -164,3 +158,12 @@ def make_plan(cfg: DecodeConfig, drafter: Drafter | None, width: int) -> Plan:
     pad_id=cfg.pad_id,
     mesh=cfg.mesh,
   )
+
+
+def round_costs(cfg: DecodeConfig, plan: Plan) -> tuple[tuple[float, float], ...]:
+  """An adaptive tree's round costs (`DecodeConfig.costs`, else `adaptive.default_costs`' guess);
+  () for any other tree. They are not part of the plan: they ride in the decoding state
+  (`rounds.init`), so new costs need no compilation."""
+  if not plan.tree.candidates:
+    return ()
+  return cfg.costs or adaptive.default_costs(plan.tree, plan.kind)

@@ -10,7 +10,7 @@ drafter, which proposes the next tree. An adaptive tree's round drafts, verifies
 candidate its statistics chose, each option in a loop of its own (3.7).
 
 Every function takes the plan first, then whichever of target, drafter and state it uses:
-`init(plan, target, drafter, tokens, lengths, key)`, `verify(plan, target, drafter, state)`,
+`init(plan, target, drafter, tokens, lengths, key, costs)`, `verify(plan, target, drafter, state)`,
 `accept_path(plan, state, verified)`, `commit(plan, state, verified)`,
 `draft(plan, target, drafter, state, pairs)`, `round_step(plan, target, drafter, state)`.
 `pspec_jax.decode` exports them jitted and runs them in one loop.
@@ -145,8 +145,13 @@ def init(
   prompt_tokens: jax.Array,
   prompt_lengths: jax.Array,
   key: jax.Array,
+  costs=None,
 ) -> DecodeState:
-  """Prefills the cache, chooses the first bonus token and drafts the first tree."""
+  """Prefills the cache, chooses the first bonus token and drafts the first tree.
+
+  `costs`: an adaptive tree's round costs, [C, 2] (`DecodeConfig.costs`); None is
+  `adaptive.default_costs`' guess. They ride in the state, so the compiled program does not
+  depend on them."""
   pool = plan.tree
   batch, width = prompt_tokens.shape
   total = width + plan.max_new_tokens
@@ -172,7 +177,12 @@ def init(
     node_logp=jnp.zeros((batch, 1), jnp.float32),
     draft_logq=jnp.zeros((batch, 1, 1), jnp.float32),
     adapt=(
-      adaptive.init_stats(pool, batch, plan.costs, plan.sampling.greedy)
+      adaptive.init_stats(
+        pool,
+        batch,
+        adaptive.default_costs(pool, plan.kind) if costs is None else costs,
+        plan.sampling.greedy,
+      )
       if pool.candidates
       else None
     ),
@@ -361,7 +371,7 @@ def _round_lookup(plan, target, drafter, state) -> tuple[DecodeState, Pairs]:
 def _round_as(plan, tree, target, drafter, state, lookup, noise):
   """Steps 1-3 of a round of `plan`, verified and accepted as `tree` (the plan's tree with its
   chain, or without): what it accepted, padded to the plan's longest path."""
-  fixed = dataclasses.replace(plan, tree=tree, costs=(), drawn=plan.drawn and tree.depth > 0)
+  fixed = dataclasses.replace(plan, tree=tree, drawn=plan.drawn and tree.depth > 0)
   verified = verify(fixed, target, drafter, state, lookup)
   accepted = accept_path(fixed, state, verified, noise)
   on = _on_path(verified, accepted)
@@ -558,7 +568,7 @@ def adaptive_rounds(
   drafter: Drafter,
   state: DecodeState,
   stop: jax.Array | None = None,
-  before_round=None,
+  after_round=None,
 ) -> DecodeState:
   """An adaptive tree's rounds until every sequence is done (or the state's step reaches
   `stop`): a loop whose body is one `lax.while_loop` per option, each running rounds of its
@@ -566,10 +576,10 @@ def adaptive_rounds(
   option's fixed round, with no switch between options around it (a switch cost the root
   alone's rounds 4-9% of a plain round on a 2-core CPU, docs/design.md section 3.7), and the
   caches stay in place: a while loop updates its buffers in place, where a branch of a switch
-  that returns a cache copies it. `before_round(state)`, if given, is the state each round
-  starts from and chooses by (calibration starts every round from one context)."""
+  that returns a cache copies it. `after_round(state)`, if given, is applied to the state each
+  round leaves (`run`'s restart)."""
   pool = plan.tree
-  before = before_round or (lambda s: s)
+  after = after_round or (lambda s: s)
 
   def running(s):
     go = ~jnp.all(s.done)
@@ -577,11 +587,10 @@ def adaptive_rounds(
 
   def option_loop(s, c, chain):
     def chosen(s):
-      s = before(s)
       return running(s) & (s.adapt.choice == c) & (s.adapt.chain == chain)
 
     def body(s):
-      return _option_round(plan, target, drafter, (c, chain), before(s))
+      return after(_option_round(plan, target, drafter, (c, chain), s))
 
     return jax.lax.while_loop(chosen, body, s)
 
@@ -590,7 +599,7 @@ def adaptive_rounds(
       s = option_loop(s, c, chain)
     return s
 
-  return jax.lax.while_loop(lambda s: running(before(s)), each_option, state)
+  return jax.lax.while_loop(running, each_option, state)
 
 
 def _option_round(
@@ -603,7 +612,7 @@ def _option_round(
   pool = plan.tree
   c, chain = option
   cand = pool.candidates[c] if chain else pool.candidates[c].drafted
-  fixed = dataclasses.replace(plan, tree=cand, costs=(), drawn=plan.drawn and cand.depth > 0)
+  fixed = dataclasses.replace(plan, tree=cand, drawn=plan.drawn and cand.depth > 0)
   drafts, drafter_cache = _draft_option(plan, fixed, target, drafter, state)
   lookup = _find_chains(state, cand.lookup) if chain else None
   verified = verify(fixed, target, drafter, drafts, lookup)
@@ -721,9 +730,56 @@ def round_step(
   return _constrain_state(plan, draft(plan, target, drafter, state, pairs))
 
 
-def run(plan: Plan, target: Target, drafter: Drafter | None, state: DecodeState) -> DecodeState:
-  """Rounds until every sequence is done: `decode.generate`'s loop."""
+def run(
+  plan: Plan,
+  target: Target,
+  drafter: Drafter | None,
+  state: DecodeState,
+  stop: jax.Array | None = None,
+  restart: jax.Array | None = None,
+) -> DecodeState:
+  """Rounds until every sequence is done, or the state's step reaches `stop`: `decode.generate`'s
+  loop.
+
+  `restart` (a bool scalar): while true, every round starts from `state` again, only the caches'
+  buffers (updated in place) and the step carried, so every round is the same round:
+  `infer.calibration` times an adaptive tree's rounds so, in the very program that decodes
+  (false when decoding: a select of the state's small arrays each round)."""
+  after = _restarted(state, restart)
   if plan.tree.candidates:
-    return adaptive_rounds(plan, target, drafter, state)
-  step = functools.partial(round_step, plan, target, drafter)
-  return jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
+    return adaptive_rounds(plan, target, drafter, state, stop, after_round=after)
+
+  def running(s):
+    go = ~jnp.all(s.done)
+    return go if stop is None else go & (s.step < stop)
+
+  return jax.lax.while_loop(running, lambda s: after(round_step(plan, target, drafter, s)), state)
+
+
+def _restarted(start: DecodeState, restart: jax.Array | None):
+  """`state -> state` that, where `restart` holds, puts back everything of `start` but the caches'
+  buffers and the step (the identity without `restart`)."""
+  if restart is None:
+    return lambda s: s
+
+  def small(s):  # the state without its caches' buffers and step
+    def unbuffered(cache):
+      return None if cache is None else cache.replace(k=None, v=None)
+
+    return s.replace(
+      cache=unbuffered(s.cache), drafter_cache=unbuffered(s.drafter_cache), step=None
+    )
+
+  def after(s):
+    fresh = jax.tree.map(lambda a, b: jnp.where(restart, a, b), small(start), small(s))
+
+    def buffered(cache, carried):
+      return None if cache is None else cache.replace(k=carried.k, v=carried.v)
+
+    return fresh.replace(
+      cache=buffered(fresh.cache, s.cache),
+      drafter_cache=buffered(fresh.drafter_cache, s.drafter_cache),
+      step=s.step,
+    )
+
+  return after

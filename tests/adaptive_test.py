@@ -60,7 +60,8 @@ def test_rounds_that_draft_nothing_leave_their_pairs_pending(target, kind):
   tree = "adaptive:paths:0/1|lookup:2"  # drafting costs little: it alternates with the root
   cfg = decode.DecodeConfig(max_new_tokens=60, tree=tree, costs=((1, 1), (1.1, 1.1), (1, 1.2)))
   plan = decode.make_plan(cfg, drafter, tokens.shape[1])
-  state = decode.init(plan, target, drafter, tokens, lengths, jax.random.key(0))
+  costs = decode.costs(cfg, plan)
+  state = decode.init(plan, target, drafter, tokens, lengths, jax.random.key(0), costs)
   waited = drafted_after_waiting = 0
   while not bool(state.done.all()):
     waiting = int(state.pending.count.max()) > 1  # more than the last round's pairs

@@ -1,5 +1,6 @@
 """Round-cost calibration: once per device, target, dtype and batch; stored and read back."""
 
+import dataclasses
 import json
 import types
 
@@ -14,6 +15,16 @@ from pspec_jax.sampling import SamplingConfig
 
 TREE = "adaptive:paths:0|lookup:3"
 PROMPT = [5, 9, 2, 13, 7]
+WIDTH = 16  # the decode's prompt width
+COMPILED = []  # the programs XLA compiled, by name
+
+
+def _compiled(event, seconds, **kwargs):
+  if event == "/jax/core/compile/backend_compile_duration":
+    COMPILED.append(kwargs.get("fun_name"))
+
+
+jax.monitoring.register_event_duration_secs_listener(_compiled)
 
 
 @pytest.fixture(scope="module")
@@ -26,12 +37,12 @@ def fake_measure(monkeypatch):
   """calibration.measure counting its calls, with made-up times."""
   calls = []
 
-  def measure(target, drafter, pool, batch, ids, cfg=None, repeats=5):
-    calls.append((target.cfg.name, batch, cfg.sampling if cfg else None))
+  def measure(target, drafter, cfg, batch, ids, width, repeats=5):
+    calls.append((target.cfg.name, batch, cfg.sampling))
+    pool = decode.resolve_tree(cfg, drafter)
     return {
       c.spec: dict(
         costs=[1.0 + 0.1 * (c.num_nodes - 1), 1.0 + 0.1 * (c.num_nodes + c.lookup - 1)],
-        plain_ms=10.0,
         round_ms=[10.0, 12.0],
         nodes=[c.num_nodes, c.num_nodes + c.lookup],
       )
@@ -47,7 +58,7 @@ def costs(target, tmp_path, batch=1, logs=None, tree=TREE, kind="pspec", **decod
   cfg = decode.DecodeConfig(tree=tree, **decoding)
   drafter = testing.drafter_for(kind, target)
   path = str(tmp_path / "costs.json")
-  return calibration.costs_for(target, drafter, cfg, batch, PROMPT, path=path, log=log)
+  return calibration.costs_for(target, drafter, cfg, batch, PROMPT, WIDTH, path=path, log=log)
 
 
 def test_costs_are_measured_once_stored_and_read_back(target, tmp_path, fake_measure):
@@ -154,47 +165,74 @@ def test_a_fixed_tree_needs_no_calibration(target, tmp_path, fake_measure):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_measured_costs_are_relative_to_the_root_alone(target, temperature):
-  """Greedy rounds, and sampled rounds with drafts drawn from q, timed for real."""
-  cfg = decode.DecodeConfig(tree=TREE, sampling=SamplingConfig(temperature=temperature))
-  pool = decode.resolve_tree(cfg, testing.drafter_for("pspec", target))
-  measured = calibration.measure(
-    target, testing.drafter_for("pspec", target), pool, 2, PROMPT, cfg, repeats=3
+  """Greedy rounds, and sampled rounds with drafts drawn from q, timed for real, in the programs
+  that decode: decoding at the width calibrated compiles nothing more."""
+  cfg = decode.DecodeConfig(
+    tree=TREE, max_new_tokens=12, sampling=SamplingConfig(temperature=temperature)
   )
+  drafter = testing.drafter_for("pspec", target)
+  pool = decode.resolve_tree(cfg, drafter)
+  del COMPILED[:]
+  measured = calibration.measure(target, drafter, cfg, 2, PROMPT, WIDTH, repeats=3)
+  assert {"jit(_init)", "jit(run)"} <= set(COMPILED)
   assert list(measured) == [c.spec for c in pool.candidates]
   assert measured["paths:"]["costs"] == [1.0, 1.0]
   for entry in measured.values():
-    assert all(c >= 1.0 for c in entry["costs"]) and entry["plain_ms"] > 0
-    assert all(t > 0 for t in entry["round_ms"])
+    assert all(c >= 1.0 for c in entry["costs"]) and all(t > 0 for t in entry["round_ms"])
   assert measured["lookup:3"]["nodes"] == [1, 4]
   assert measured["paths:0"]["nodes"] == [2, 2]
+  del COMPILED[:]
+  costs = tuple(tuple(entry["costs"]) for entry in measured.values())
+  tokens, lengths = testing.padded(testing.PROMPTS[:2])
+  tokens = np.pad(tokens, ((0, 0), (0, WIDTH - tokens.shape[1])))
+  cfg = dataclasses.replace(cfg, costs=costs)
+  out = decode.generate(target, tokens, lengths, jax.random.key(1), cfg, drafter)
+  assert int(out.lengths.min()) == 12
+  assert {"jit(_init)", "jit(run)"}.isdisjoint(COMPILED), COMPILED
 
 
 @pytest.mark.parametrize("option", [(0, False), (1, False), (2, True)])
 def test_option_rounds_run_their_candidate_from_the_same_context(target, option):
   """What calibration times: with the choice pinned to an option, a round verifies that
-  candidate (with its chain, if the option has it: the context finds a match); every round
-  starts from the same context, the option pinned."""
+  candidate (with its chain, if the option has it: the context finds a match); restarted, every
+  round starts from the same context, the option pinned."""
   drafter = testing.drafter_for("pspec", target).with_head(target)
   cfg = decode.DecodeConfig(tree=TREE, max_new_tokens=12)
   plan = decode.make_plan(cfg, drafter, 2 * len(PROMPT))
   choice, chain = option
-  start = calibration._start(plan, target, drafter, PROMPT, 1)
+  start = calibration._start(plan, target, drafter, PROMPT, 1, 2 * len(PROMPT))
   # `lookup:3` without its chain is the root alone: no round of its own to pin.
   with pytest.raises(ValueError, match="no adaptive round runs candidate 2 with chain=False"):
     calibration._pinned(start, 2, False, plan.tree)
   start = calibration._pinned(start, choice, chain, plan.tree)
-  once, thrice = (calibration._rounds(plan, target, drafter, start, n) for n in (1, 3))
-  assert int(thrice.step) == int(start.step) + 3
+
+  def run(rounds, restart):
+    state = calibration._copy(start)  # `decode.run` takes its state
+    return decode.run(plan, target, drafter, state, start.step + rounds, np.bool_(restart))
+
+  once = run(1, False)  # the first round, as calibration times it
+  assert int(once.step) == int(start.step) + 1
   assert once.adapt.chosen.tolist() == [int(c == choice) for c in range(3)]
   assert once.adapt.chained.tolist() == [int(c == choice and chain) for c in range(3)]
   found = jnp.any(once.adapt.lookup != start.adapt.lookup)  # the chain was verified
   assert bool(found) == chain
-  # The same round three times (the step, and the draws it keys, aside).
+  # Restarted, every round is that round: each writes the same keys and values to the caches,
+  # and leaves the rest of the state as it started (the step aside).
+  thrice = run(3, True)
+  assert int(thrice.step) == int(start.step) + 3
+  for a, b in zip(jax.tree.leaves(thrice.cache), jax.tree.leaves(once.cache), strict=True):
+    if a.ndim > 1:  # the buffers
+      np.testing.assert_array_equal(a, b)
+  np.testing.assert_array_equal(thrice.cache.lengths, start.cache.lengths)
   for a, b in zip(
-    jax.tree.leaves(once), jax.tree.leaves(thrice.replace(step=once.step)), strict=True
+    jax.tree.leaves(thrice.replace(cache=None, drafter_cache=None, step=None)),
+    jax.tree.leaves(start.replace(cache=None, drafter_cache=None, step=None)),
+    strict=True,
   ):
     if not jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
       np.testing.assert_array_equal(a, b)
+  # Not restarted, the rounds go on from where each left off.
+  assert int(run(3, False).cache.lengths[0]) > int(once.cache.lengths[0])
 
 
 def test_a_cost_compares_rounds_timed_in_the_same_turn(target, monkeypatch):
@@ -214,8 +252,7 @@ def test_a_cost_compares_rounds_timed_in_the_same_turn(target, monkeypatch):
   monkeypatch.setattr(calibration.measure_lib, "interleaved_times", times)
   drafter = testing.drafter_for("pspec", target)
   cfg = decode.DecodeConfig(tree=TREE)
-  pool = decode.resolve_tree(cfg, drafter)
-  measured = calibration.measure(target, drafter, pool, 1, PROMPT, cfg, repeats=5)
+  measured = calibration.measure(target, drafter, cfg, 1, PROMPT, WIDTH, repeats=5)
   assert measured["paths:"]["costs"] == [1.0, 1.0]
   np.testing.assert_allclose(measured["paths:0"]["costs"], [1.2, 1.2])
   # Without its chain, the chain alone is the root alone: the root's times, cost 1.

@@ -242,8 +242,9 @@ def test_vocabulary_rows_take_the_cpu_kernels_where_they_are_built():
 
 
 def _cache_copies_in_loop(target, tied: bool) -> int:
-  """Copies of a cache buffer in the compiled plain decoding loop, with the commit's write tied
-  to the pass (`rounds._tied_to_pass`) or not."""
+  """Copies of a cache buffer in the compiled plain decoding loop (`decode.run`, the program a
+  decode runs its rounds in), with the commit's write tied to the pass (`rounds._tied_to_pass`)
+  or not."""
   cfg = decode.DecodeConfig(max_new_tokens=8, eos_ids=(3,), pad_id=0)
   tokens, lengths = testing.padded(PROMPTS[:1])
   plan = decode.make_plan(cfg, None, tokens.shape[1])
@@ -253,12 +254,9 @@ def _cache_copies_in_loop(target, tied: bool) -> int:
     rounds._tied_to_pass = lambda kv, bonus: kv
   jax.clear_caches()  # `decode`'s jitted loop would reuse its program traced the other way
   try:
-    text = (
-      jax.jit(lambda t, n: decode.generate(target, t, n, jax.random.key(0), cfg).tokens)
-      .lower(tokens, lengths)
-      .compile()
-      .as_text()
-    )
+    state = decode.init(plan, target, None, tokens, lengths, jax.random.key(0))
+    stop, restart = np.int32(cfg.max_new_tokens), np.bool_(False)  # `decode.run` as decoding
+    text = decode.run.lower(plan, target, None, state, stop, restart).compile().as_text()
   finally:
     rounds._tied_to_pass = original
   return sum(
