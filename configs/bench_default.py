@@ -29,8 +29,8 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   config.temperature = "0"  # list
   config.batch_size = "1"  # list
   config.num_draft = ""  # list of K; "" is each drafter's own
-  # list of trees (chain, sparseN, dynamic:N, paths:..., each with optional +min:P and +lookup:L);
-  # "" is each drafter's
+  # list of trees (chain, sparseN, dynamic:N, paths:..., each with optional +min:P and +lookup:L;
+  # adaptive; fixed, each drafter's fixed tree); "" is each drafter's default
   config.tree = ""
   # list: at T > 0, drafts drawn from the drafter's q ("sampled", accepted by speculative
   # sampling) and/or its top-k tokens ("top_k", the deterministic rule); both compare the two

@@ -79,7 +79,7 @@ def check_config(config) -> tuple[list, list, list, list, list, list]:
   if any(t < 0 for t in temperatures) or any(b < 1 for b in batch_sizes) or min(ks) < 0:
     raise ValueError("temperatures must be >= 0, batch sizes >= 1 and num_draft >= 0")
   for tree in trees:
-    if tree:
+    if tree and tree != "fixed":  # `fixed`: each drafter's own
       tree_specs.parse(tree, 64)  # the spelling; depth is checked per drafter below
   if config.out and os.path.exists(config.out) and not os.path.isdir(config.out):
     raise ValueError(f"out: {config.out} is a file, not a directory: give a directory")
@@ -103,7 +103,7 @@ def settings_of(config, target, drafters: dict) -> tuple[list[measure.Setting], 
           drafter = drafters[method]
           for k in ks:
             for tree in trees:
-              name = tree or drafter.cfg.tree_for(temperature == 0)
+              name = drafter.cfg.tree_for(temperature == 0, tree)
               cfg = decode.DecodeConfig(num_draft=k, tree=name)
               try:
                 decode.check_drafter(target, drafter)
@@ -262,7 +262,7 @@ def _drafter_meta(drafter, directory: str | None) -> dict:
   meta = dict(
     kind=c.kind,
     num_draft=c.num_draft,
-    tree=c.tree,
+    tree=c.tree_for(greedy=True),
     sampling_tree=c.tree_for(greedy=False),
     source=directory,
   )

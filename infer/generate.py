@@ -47,7 +47,7 @@ def main() -> None:
     raise ValueError(f"--batch_size must be >= 1, got {FLAGS.batch_size}")
   prompts = _prompts()
   # Flag errors first: they need no model.
-  if FLAGS.tree:
+  if FLAGS.tree and FLAGS.tree != "fixed":
     tree_specs.parse(FLAGS.tree, FLAGS.num_draft or 8)
   if FLAGS.num_draft is not None and FLAGS.num_draft < 1:
     raise ValueError(f"--num_draft must be >= 1, got {FLAGS.num_draft}")
@@ -143,7 +143,7 @@ def main() -> None:
       else:
         print(f"> {prompt}\n\n{text}\n", flush=True)
   if not FLAGS.json:
-    tree = "" if drafter is None else cfg.tree or drafter.cfg.tree_for(sampling.greedy)
+    tree = "" if drafter is None else drafter.cfg.tree_for(sampling.greedy, cfg.tree)
     print(summary(total, FLAGS.method, tree, FLAGS.num_draft or 0), file=sys.stderr, flush=True)
 
 
@@ -177,7 +177,7 @@ def check_num_draft(num_draft: int | None, cfg, drafter) -> None:
     return
   if drafter is None:
     raise ValueError("--num_draft needs a drafting method (--method=pspec, eagle, medusa, pld)")
-  spec = cfg.tree or drafter.cfg.tree_for(cfg.sampling.greedy)
+  spec = drafter.cfg.tree_for(cfg.sampling.greedy, cfg.tree)
   own = drafter.cfg.num_draft
   # The tree decoding resolves (an adaptive tree's candidates spelled out) at either K.
   sized = lambda k: decode.resolve_tree(dataclasses.replace(cfg, num_draft=k), drafter)
@@ -218,7 +218,8 @@ def define_flags():
     "tree",
     None,
     "Tree: chain, sparseN, dynamic:N or paths:0/0.0/1, each with an optional gate +min:P, "
-    "then +lookup:L (default: the drafter's).",
+    "then +lookup:L; adaptive (chosen each round) or fixed (the drafter's fixed tree); "
+    "default: the drafter's.",
   )
   flags.DEFINE_string(
     "mesh", "", "Shard over a device mesh, e.g. data=2,tensor=4 (default: one device)."

@@ -34,8 +34,8 @@ class DecodeConfig:
     pad_id: fills `DecodeOutput.tokens` past each sequence's length.
     num_draft: K, draft tokens per round; 0 means the drafter's own.
     tree: tree name (`tree.parse`: chain, sparseN, dynamic:N, paths:..., each optionally with
-      a gate +min:P and +lookup:L; or adaptive, adaptive:A|B|...); "" is the drafter's for
-      this temperature (`DrafterConfig.tree_for`).
+      a gate +min:P and +lookup:L; or adaptive, adaptive:A|B|...); `fixed` is the drafter's
+      fixed tree for this temperature, "" its default (`DrafterConfig.tree_for`).
     costs: an adaptive tree's cost of a round with each candidate, the root alone first (1.0),
       relative to a round with the root alone: (lookup chain left out, lookup chain verified)
       pairs, as `infer.calibration` measures them; () is `adaptive.default_costs`' guess.
@@ -114,7 +114,7 @@ def resolve_tree(cfg: DecodeConfig, drafter: Drafter | None) -> tree_lib.Tree:
   d = drafter.cfg
   greedy = cfg.sampling.greedy
   return tree_specs.parse(
-    d.resolve_tree(cfg.tree or d.tree_for(greedy), greedy), cfg.num_draft or d.num_draft
+    d.resolve_tree(d.tree_for(greedy, cfg.tree), greedy), cfg.num_draft or d.num_draft
   )
 
 

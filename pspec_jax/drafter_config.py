@@ -12,10 +12,11 @@ import jax.numpy as jnp
 from pspec_jax import tree_specs
 from pspec_jax.llama import LlamaConfig, RopeScaling
 
-__all__ = ["KINDS", "MASK_INPUTS", "DrafterConfig"]
+__all__ = ["DEFAULT_TREES", "KINDS", "MASK_INPUTS", "DrafterConfig"]
 
 KINDS = ("pspec", "eagle", "medusa", "pld")
 MASK_INPUTS = ("per_depth", "shared")
+DEFAULT_TREES = ("fixed", "adaptive")
 Dtype = Any
 
 
@@ -27,10 +28,13 @@ class DrafterConfig:
     kind: one of KINDS.
     num_draft: K, the draft tokens per round it was built for (pspec: K-1 mask vectors;
       medusa: K heads). Decoding may use fewer.
-    tree: the tree preset it is meant to decode with (`tree_specs.parse`), greedy.
-    sampling_tree: the tree it decodes with at temperature > 0; "" is `tree`. Sampled drafts
-      are accepted less often than greedy ones, so a smaller tree (or prompt lookup alone)
-      can be the faster one there.
+    tree: its fixed tree (`tree_specs.parse`), greedy: the tree named `fixed`.
+    sampling_tree: its fixed tree at temperature > 0; "" is `tree`. Sampled drafts are
+      accepted less often than greedy ones, so a smaller tree (or prompt lookup alone) can be
+      the faster one there.
+    default_tree: what it decodes with unless told otherwise (`tree_for`): "fixed" (`tree`,
+      `sampling_tree`) or "adaptive" (a tree chosen each round from `adaptive` or
+      `sampling_adaptive` by the acceptance seen and this machine's round costs).
     adaptive: the candidate trees (`A|B|...`) the tree `adaptive` chooses from each round;
       "" is `tree_specs.ADAPTIVE`.
     sampling_adaptive: its candidates at temperature > 0; "" is `adaptive`. A lookup chain
@@ -59,6 +63,7 @@ class DrafterConfig:
   num_draft: int = 4
   tree: str = "chain"
   sampling_tree: str = ""
+  default_tree: str = "fixed"
   adaptive: str = ""
   sampling_adaptive: str = ""
   target_name: str
@@ -83,6 +88,11 @@ class DrafterConfig:
   def __post_init__(self):
     if self.kind not in KINDS:
       raise ValueError(f"unknown drafter kind {self.kind!r}: use one of {', '.join(KINDS)}")
+    if self.default_tree not in DEFAULT_TREES:
+      raise ValueError(
+        f"DrafterConfig.default_tree must be one of {', '.join(DEFAULT_TREES)}, "
+        f"got {self.default_tree!r}"
+      )
     if self.num_draft < 1:
       raise ValueError(f"DrafterConfig.num_draft (K) must be >= 1, got {self.num_draft}")
     object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
@@ -171,9 +181,14 @@ class DrafterConfig:
   def replace(self, **changes) -> "DrafterConfig":
     return dataclasses.replace(self, **changes)
 
-  def tree_for(self, greedy: bool) -> str:
-    """The tree this drafter decodes with, greedy or sampling."""
-    return self.tree if greedy else self.sampling_tree or self.tree
+  def tree_for(self, greedy: bool, tree: str = "") -> str:
+    """The name of the tree this drafter decodes with, greedy or sampling, when asked for `tree`:
+    "" is its default (`default_tree`), `fixed` its fixed tree (`tree`, `sampling_tree`); any
+    other name is itself (`adaptive` included: `resolve_tree` spells out its candidates)."""
+    tree = tree or self.default_tree
+    if tree == "fixed":
+      return self.tree if greedy else self.sampling_tree or self.tree
+    return tree
 
   def resolve_tree(self, tree: str, greedy: bool = True) -> str:
     """`tree` with `adaptive` spelled out as this drafter's candidate set, greedy or

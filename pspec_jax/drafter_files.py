@@ -1,8 +1,9 @@
 """Drafter files: a directory with `drafter.json` (config) and `drafter.safetensors` (params).
 
-The JSON records the drafter's kind, K, tree presets (greedy and optionally sampling, and the
-candidate sets of its `adaptive` tree, greedy and optionally sampling, plus per-device ones,
-`device_trees`, which may also cut the draft vocabulary decoding uses there), layer widths, its
+The JSON records the drafter's kind, K, tree presets (its fixed tree, greedy and optionally
+sampling, the candidate sets of its `adaptive` tree, greedy and optionally sampling, and which
+of the two it decodes with by default, plus per-device ones, `device_trees`, which may also cut
+the draft vocabulary decoding uses there), layer widths, its
 architecture options (`num_layers`, `feature_layers`, `mask_input`; absent in older files, which
 are the defaults) and the identity of the target it was built for (name, vocab size, feature
 width); loading it against another target is one clear error. A file that uses an architecture
@@ -24,6 +25,7 @@ from flax import traverse_util
 
 from pspec_jax import tree_specs
 from pspec_jax.drafter import KINDS, Drafter, DrafterConfig, init_params, random_drafter
+from pspec_jax.drafter_config import DEFAULT_TREES
 from pspec_jax.llama import LlamaConfig, RopeScaling, Target
 from pspec_jax.weights import read_safetensors
 
@@ -48,14 +50,21 @@ _ARCH_DEFAULTS = dict(num_layers=1, feature_layers=(), mask_input="per_depth")
 CONFIG_FILE = "drafter.json"
 PARAMS_FILE = "drafter.safetensors"
 VOCAB_TENSOR = "draft_vocab"  # int32 token ids of a restricted draft vocabulary
-# {platform: {"tree": ..., "sampling_tree": ..., "adaptive": ..., "sampling_adaptive": ...,
-# "draft_vocab_size": ...}}:
+# {platform: {"tree": ..., "sampling_tree": ..., "default_tree": ..., "adaptive": ...,
+# "sampling_adaptive": ..., "draft_vocab_size": ...}}:
 # decoding tuned on one kind of device. `draft_vocab_size` there decodes from the first tokens
 # of the stored draft vocabulary (the most frequent first): where a drafter pass is bound by
 # reading its LM head, as on a CPU, a smaller head is worth more than the rare tokens it leaves
 # out.
 DEVICE_TREES = "device_trees"
-_DEVICE_FIELDS = {"tree", "sampling_tree", "adaptive", "sampling_adaptive", "draft_vocab_size"}
+_DEVICE_FIELDS = {
+  "tree",
+  "sampling_tree",
+  "default_tree",
+  "adaptive",
+  "sampling_adaptive",
+  "draft_vocab_size",
+}
 # Drafters trained by the project, by target name and kind: drafters/<target>/<kind>/.
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "drafters")
 _LAYER_FIELDS = {  # name -> type
@@ -88,6 +97,7 @@ def save_drafter(
     num_draft=cfg.num_draft,
     tree=cfg.tree,
     sampling_tree=cfg.sampling_tree,
+    default_tree=cfg.default_tree,
     adaptive=cfg.adaptive,
     sampling_adaptive=cfg.sampling_adaptive,
     target=dict(name=cfg.target_name, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size),
@@ -174,6 +184,13 @@ def _read_config(directory, target: LlamaConfig, platform: str | None, as_stored
               f"[1, {stored_vocab}] (the stored draft vocabulary), got {spec!r}"
             )
           continue
+        if name == "default_tree":
+          if spec not in DEFAULT_TREES:
+            raise ValueError(
+              f"{DEVICE_TREES}.{platform_name}.default_tree must be one of "
+              f"{', '.join(DEFAULT_TREES)}, got {spec!r}"
+            )
+          continue
         if name in ("adaptive", "sampling_adaptive"):
           spec = f"adaptive:{spec}"
         try:
@@ -187,6 +204,7 @@ def _read_config(directory, target: LlamaConfig, platform: str | None, as_stored
       num_draft=num_draft,
       tree=str(device.get("tree", config.get("tree", "chain"))),
       sampling_tree=str(device.get("sampling_tree", config.get("sampling_tree", ""))),
+      default_tree=str(device.get("default_tree", config.get("default_tree", "fixed"))),
       adaptive=str(device.get("adaptive", config.get("adaptive", ""))),
       sampling_adaptive=str(device.get("sampling_adaptive", config.get("sampling_adaptive", ""))),
       max_ngram=int(config.get("max_ngram", 3)),

@@ -213,6 +213,38 @@ def test_trees_tuned_for_a_kind_of_device_are_taken_there(target, tmp_path):
   assert drafter_files.load_drafter(str(tmp_path), target).cfg.tree == "sparse6"  # on this CPU
 
 
+def test_a_device_entry_can_make_the_adaptive_tree_the_default(target, tmp_path):
+  """`default_tree`: a drafter decodes with its adaptive tree unless told otherwise where its
+  file (or its device's entry) says so; `fixed` names its fixed tree for the temperature."""
+  drafter_files.save_drafter(str(tmp_path), make_drafter("pspec", target))
+  path = tmp_path / drafter_files.CONFIG_FILE
+  config = json.loads(path.read_text())
+  assert config["default_tree"] == "fixed"  # written
+  config["sampling_tree"] = "chain"
+  config["adaptive"] = "paths:0|paths:0+lookup:2"
+  config["device_trees"] = {"cpu": {"default_tree": "adaptive"}}
+  path.write_text(json.dumps(config))
+  here = drafter_files.load_drafter(str(tmp_path), target)  # on this CPU
+  elsewhere = drafter_files.read_drafter_config(str(tmp_path), target.cfg, "gpu")
+  assert (here.cfg.default_tree, elsewhere.default_tree) == ("adaptive", "fixed")
+
+  def pool(tree, temperature=0.0):
+    sampled = sampling.SamplingConfig(temperature=temperature)
+    return decode.resolve_tree(decode.DecodeConfig(tree=tree, sampling=sampled), here)
+
+  assert pool("") == pool("adaptive") == tree_specs.parse("adaptive:paths:0|paths:0+lookup:2", 3)
+  assert pool("fixed") == tree_specs.parse("sparse6", 3)
+  assert pool("fixed", 0.7) == tree_specs.parse("chain", 3)
+  assert pool("sparse4") == tree_specs.parse("sparse4", 3)
+  assert here.cfg.tree_for(True) == "adaptive" and elsewhere.tree_for(True) == "sparse6"
+  config["device_trees"] = {"cpu": {"default_tree": "dynamic"}}
+  path.write_text(json.dumps(config))
+  with pytest.raises(ValueError, match="device_trees.cpu.default_tree must be one of fixed"):
+    drafter_files.load_drafter(str(tmp_path), target)
+  with pytest.raises(ValueError, match="default_tree must be one of fixed, adaptive"):
+    here.cfg.replace(default_tree="sometimes")
+
+
 def test_a_device_entry_decodes_from_the_first_tokens_of_the_draft_vocabulary(target, tmp_path):
   drafter = make_drafter("eagle", target)  # 11 stored token ids
   drafter_files.save_drafter(str(tmp_path), drafter)

@@ -129,12 +129,17 @@ def test_without_json_a_run_ends_with_one_summary_line():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["pld", "pspec", "eagle", "medusa"])
-def test_drafting_through_the_cli_is_lossless(plain_run, method):
+@pytest.mark.parametrize(
+  ("method", "tree"), [("pld", ""), ("pspec", ""), ("eagle", "fixed"), ("medusa", "fixed")]
+)
+def test_drafting_through_the_cli_is_lossless(plain_run, method, tree):
   """Drafts accepted (tau > 1) and the tokens of plain greedy decoding, prompt for prompt;
-  pspec, eagle and medusa use the drafters shipped for the embedded target."""
+  pspec, eagle and medusa use the drafters shipped for the embedded target: pspec its default
+  tree on a CPU (adaptive: its round costs calibrated at the first decode), eagle and medusa
+  their fixed ones (`--tree=fixed`)."""
   prompts, plain_lines = plain_run
-  drafted = _json_lines(run_cli(f"--prompts={prompts}", *DRAFT_FLAGS, f"--method={method}"))
+  flags = [f"--method={method}"] + ([f"--tree={tree}"] if tree else [])
+  drafted = _json_lines(run_cli(f"--prompts={prompts}", *DRAFT_FLAGS, *flags))
   for spec, plain in zip(drafted, plain_lines, strict=True):
     assert spec["prompt"] == plain["prompt"]
     assert spec["tokens"] == plain["tokens"] and spec["num_tokens"] <= 24
@@ -149,6 +154,13 @@ def test_sharded_decoding_through_the_cli_gives_the_same_tokens(plain_run):
   and vocabulary split, and still plain decoding's tokens."""
   prompts, plain_lines = plain_run
   sharded = _json_lines(
-    run_cli(f"--prompts={prompts}", *DRAFT_FLAGS, "--method=pspec", "--mesh=tensor=2", devices=2)
+    run_cli(
+      f"--prompts={prompts}",
+      *DRAFT_FLAGS,
+      "--method=pspec",
+      "--tree=fixed",
+      "--mesh=tensor=2",
+      devices=2,
+    )
   )
   assert [r["tokens"] for r in sharded] == [r["tokens"] for r in plain_lines]
