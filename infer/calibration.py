@@ -51,6 +51,7 @@ import pspec_jax
 from infer import measure as measure_lib
 from pspec_jax import adaptive, cpu_kernel, decode
 from pspec_jax import propose as propose_lib
+from pspec_jax import rounds as rounds_lib
 
 # 10: timed in the decoding program itself (`decode.run` restarted), at the decode's shapes;
 # 8: an option's rounds as the adaptive loop runs them (`rounds.adaptive_rounds`), no switch;
@@ -177,31 +178,18 @@ class _Rounds:
 
   def __init__(self, plan, target, drafter, state):
     self.plan, self.target, self.drafter = plan, target, drafter
-    self.buffers = (state.cache, state.drafter_cache)
+    self.carried = state  # whose caches' buffers the next call takes
 
   def timer(self, start):
     """A call of `ROUNDS` rounds from `start` (a state whose buffers are not read)."""
-
-    def unbuffered(cache):
-      return None if cache is None else cache.replace(k=None, v=None)
-
-    context = start.replace(
-      cache=unbuffered(start.cache), drafter_cache=unbuffered(start.drafter_cache)
-    )
+    context = rounds_lib.without_buffers(start)
 
     def call():
-      def buffered(cache, carried):
-        return None if cache is None else cache.replace(k=carried.k, v=carried.v)
-
-      state = _copy(context)  # `decode.run` takes its state
-      state = state.replace(
-        cache=buffered(state.cache, self.buffers[0]),
-        drafter_cache=buffered(state.drafter_cache, self.buffers[1]),
-      )
+      state = rounds_lib.with_buffers(_copy(context), self.carried)  # `decode.run` takes it
       out = decode.run(
         self.plan, self.target, self.drafter, state, state.step + ROUNDS, np.bool_(True)
       )
-      self.buffers = (out.cache, out.drafter_cache)
+      self.carried = out
       return out
 
     return call

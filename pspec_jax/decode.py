@@ -27,9 +27,9 @@ import numpy as np
 from flax import struct
 from jax.sharding import Mesh
 
+from pspec_jax import adaptive, llama, rounds, sharding
 from pspec_jax import drafter as drafter_lib
-from pspec_jax import llama, rounds, sharding
-from pspec_jax.decode_plan import DRAFTS, DecodeConfig, Plan, make_plan, resolve_tree, round_costs
+from pspec_jax.decode_plan import DRAFTS, DecodeConfig, Plan, make_plan, resolve_tree
 from pspec_jax.drafter import Drafter
 from pspec_jax.llama import Target
 from pspec_jax.rounds import CACHE_AXES, DecodeState, Verified
@@ -53,7 +53,6 @@ __all__ = [
   "init",
   "make_plan",
   "resolve_tree",
-  "round_costs",
   "round_step",
   "run",
   "shard",
@@ -230,10 +229,13 @@ def generate(
 
 
 def costs(cfg: DecodeConfig, plan: Plan) -> jax.Array | None:
-  """The adaptive tree's round costs `init` takes (`round_costs`), [C, 2]; None for any other
-  tree."""
-  pairs = round_costs(cfg, plan)
-  return jnp.asarray(pairs, jnp.float32) if pairs else None
+  """The adaptive tree's round costs `init` takes, [C, 2]: `DecodeConfig.costs`, else
+  `adaptive.default_costs`' guess; None for any other tree. They are not part of the plan: they
+  ride in the state, so new costs need no compilation."""
+  if not plan.tree.candidates:
+    return None
+  pairs = cfg.costs or adaptive.default_costs(plan.tree, plan.kind)
+  return jnp.asarray(pairs, jnp.float32)
 
 
 def compile_generate(

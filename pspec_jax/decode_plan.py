@@ -16,7 +16,7 @@ from pspec_jax import tree as tree_lib
 from pspec_jax.drafter import Drafter
 from pspec_jax.sampling import SamplingConfig
 
-__all__ = ["DRAFTS", "DecodeConfig", "Plan", "make_plan", "resolve_tree", "round_costs"]
+__all__ = ["DRAFTS", "DecodeConfig", "Plan", "make_plan", "resolve_tree"]
 
 DRAFTS = ("sampled", "top_k")
 
@@ -158,12 +158,3 @@ def make_plan(cfg: DecodeConfig, drafter: Drafter | None, width: int) -> Plan:
     pad_id=cfg.pad_id,
     mesh=cfg.mesh,
   )
-
-
-def round_costs(cfg: DecodeConfig, plan: Plan) -> tuple[tuple[float, float], ...]:
-  """An adaptive tree's round costs (`DecodeConfig.costs`, else `adaptive.default_costs`' guess);
-  () for any other tree. They are not part of the plan: they ride in the decoding state
-  (`rounds.init`), so new costs need no compilation."""
-  if not plan.tree.candidates:
-    return ()
-  return cfg.costs or adaptive.default_costs(plan.tree, plan.kind)

@@ -46,6 +46,8 @@ __all__ = [
   "round_step",
   "run",
   "verify",
+  "with_buffers",
+  "without_buffers",
 ]
 
 # Prompt lookup finds the context's last 3, else last 2 tokens earlier in it; a lone repeated
@@ -762,24 +764,30 @@ def _restarted(start: DecodeState, restart: jax.Array | None):
   if restart is None:
     return lambda s: s
 
-  def small(s):  # the state without its caches' buffers and step
-    def unbuffered(cache):
-      return None if cache is None else cache.replace(k=None, v=None)
-
-    return s.replace(
-      cache=unbuffered(s.cache), drafter_cache=unbuffered(s.drafter_cache), step=None
-    )
-
   def after(s):
+    small = lambda x: without_buffers(x).replace(step=None)
     fresh = jax.tree.map(lambda a, b: jnp.where(restart, a, b), small(start), small(s))
-
-    def buffered(cache, carried):
-      return None if cache is None else cache.replace(k=carried.k, v=carried.v)
-
-    return fresh.replace(
-      cache=buffered(fresh.cache, s.cache),
-      drafter_cache=buffered(fresh.drafter_cache, s.drafter_cache),
-      step=s.step,
-    )
+    return with_buffers(fresh, s).replace(step=s.step)
 
   return after
+
+
+def without_buffers(state: DecodeState) -> DecodeState:
+  """`state` without its caches' key/value buffers (None in their place)."""
+
+  def unbuffered(cache):
+    return None if cache is None else cache.replace(k=None, v=None)
+
+  return state.replace(cache=unbuffered(state.cache), drafter_cache=unbuffered(state.drafter_cache))
+
+
+def with_buffers(state: DecodeState, carried: DecodeState) -> DecodeState:
+  """`state` with the caches' key/value buffers of `carried`."""
+
+  def buffered(cache, source):
+    return None if cache is None else cache.replace(k=source.k, v=source.v)
+
+  return state.replace(
+    cache=buffered(state.cache, carried.cache),
+    drafter_cache=buffered(state.drafter_cache, carried.drafter_cache),
+  )
