@@ -169,18 +169,22 @@ class FeatureDrafter(nn.Module):
 
 
 class MedusaHeads(nn.Module):
-  """`medusa`: head d maps f_t to f_t + SiLU(W_d f_t + b_d), read by the target's LM head."""
+  """`medusa`: head d maps f_t to f_t + SiLU(W_d f_t + b_d), read by the target's LM head.
+
+  The K heads are one dense weight `heads` [D, K, D] (`layers.dense_param`), so they decode in
+  the layout and through the product every other dense layer uses. (As K weights [K, D, D]
+  under an einsum, XLA:CPU copied all of them, 5 MiB for SmolLM2-135M, in every round.)
+  """
 
   cfg: DrafterConfig
 
   @nn.compact
   def __call__(self, features_BD):
     cfg, d, k = self.cfg, self.cfg.hidden_size, self.cfg.num_draft
-    init = nn.initializers.normal(0.02)
-    w = layers.param(self, "w", init, (k, d, d), ("draft", "embed", "mlp"), cfg.param_dtype)
+    w = layers.dense_param(self, "heads", (d,), (k, d), ("embed", "draft", "mlp"), cfg.layer)
     b = layers.param(self, "b", nn.initializers.zeros, (k, d), ("draft", "mlp"), cfg.param_dtype)
     f = features_BD.astype(cfg.dtype)
-    h = jnp.einsum("BD,PDE->BPE", f, w.astype(cfg.dtype)) + b.astype(cfg.dtype)
+    h = layers.dense(cfg.layer, f, w, k * d).reshape(*f.shape[:-1], k, d) + b.astype(cfg.dtype)
     return f[:, None, :] + nn.silu(h)
 
 

@@ -8,9 +8,11 @@ architecture options (`num_layers`, `feature_layers`, `mask_input`; absent in ol
 are the defaults) and the identity of the target it was built for (name, vocab size, feature
 width); loading it against another target is one clear error. A file that uses an architecture
 option has format version 2, which older readers refuse instead of misreading it. Parameters
-are stored flat (`block/attn/q`, ...), in float32 or bfloat16, next to the token ids of a
-restricted draft vocabulary (`draft_vocab`), if the drafter has one. A drafter directory may
-be local or a URL such as gs://bucket/export: both are written and read through `etils.epath`.
+are stored flat (`block/attn/q`, ...; medusa's K heads as one [D, K, D] tensor `heads`, which
+older files hold as `w` [K, D, D], read either way), in float32 or bfloat16, next to the token
+ids of a restricted draft vocabulary (`draft_vocab`), if the drafter has one. A drafter
+directory may be local or a URL such as gs://bucket/export: both are written and read through
+`etils.epath`.
 """
 
 import json
@@ -244,6 +246,8 @@ def load_drafter(
   if stored_vocab:
     expected[VOCAB_TENSOR] = jax.ShapeDtypeStruct((stored_vocab,), np.int32)
   stored = _read_tensors(epath.Path(directory) / PARAMS_FILE) if expected else {}
+  if cfg.kind == "medusa" and "heads" not in stored and "w" in stored:
+    stored["heads"] = np.swapaxes(stored.pop("w"), 0, 1)  # older files: K weights [K, D, D]
   params = {}
   for name, spec in expected.items():
     if name not in stored or tuple(stored[name].shape) != spec.shape:

@@ -179,6 +179,7 @@ DENSE_AXES = {
   "lm_head": (1, 1),
   "fuse": (1, 1),
   "feature_fuse": (1, 1),
+  "heads": (1, 2),
 }
 
 

@@ -150,6 +150,22 @@ def test_json_records_kind_draft_length_tree_and_target(target, tmp_path):
     assert fh.read(8)  # the params file exists and is not empty
 
 
+def test_medusa_heads_stored_as_k_weights_load_as_one_dense_weight(target, tmp_path):
+  drafter = make_drafter("medusa", target)
+  drafter_files.save_drafter(str(tmp_path), drafter)
+  tensors = load_file(str(tmp_path / drafter_files.PARAMS_FILE))
+  heads = tensors.pop("heads")  # [D, K, D]: head d maps x to x @ heads[:, d]
+  assert heads.shape == (32, 4, 32)
+  # The older layout: K weights [K, D, D] under the name `w`.
+  tensors["w"] = np.ascontiguousarray(np.swapaxes(heads, 0, 1))
+  save_file(tensors, str(tmp_path / drafter_files.PARAMS_FILE))
+  loaded = drafter_files.load_drafter(str(tmp_path), target)
+  np.testing.assert_array_equal(flat(loaded.params)["heads"], flat(drafter.params)["heads"])
+  x = jax.random.normal(jax.random.key(3), (2, 32))
+  h = x @ tensors["w"][1] + flat(drafter.params)["b"][1]
+  np.testing.assert_allclose(loaded.apply(x)[:, 1], x + jax.nn.silu(h), rtol=1e-5, atol=1e-6)
+
+
 def test_decoding_takes_the_sampling_tree_above_temperature_zero(target, tmp_path):
   drafter_files.save_drafter(str(tmp_path), make_drafter("eagle", target))
   drafter = drafter_files.load_drafter(str(tmp_path), target)
@@ -354,8 +370,10 @@ def test_old_drafter_files_load_and_decode_as_before(smollm2):
     drafter = drafter_files.load_drafter(directory, target, as_stored=True)
     assert (drafter.cfg.num_layers, drafter.cfg.feature_layers) == (1, ())
     assert drafter.cfg.mask_input == "per_depth"
-    # Every stored tensor is a parameter: nothing in the file is left unread.
+    # Every stored tensor is a parameter: nothing in the file is left unread. (medusa's file
+    # holds its heads as K weights `w` [K, D, D], read as the one dense weight `heads`.)
     stored = set(load_file(os.path.join(directory, drafter_files.PARAMS_FILE)))
+    stored = {"heads" if name == "w" and kind == "medusa" else name for name in stored}
     assert stored - {drafter_files.VOCAB_TENSOR} == set(flat(drafter.params))
     out = decode.generate(target, tokens, lengths, jax.random.key(0), cfg, drafter)
     assert out.tokens.tolist() == plain.tokens.tolist()

@@ -259,9 +259,10 @@ def test_a_drafter_loaded_for_a_block_quantised_target_takes_q8_0_blocks(tmp_pat
   drafter_files.save_drafter(tmp_path / "d", drafter)
   loaded = drafter_files.load_drafter(tmp_path / "d", target)
   quantised = [x for x in jax.tree.leaves(loaded.params) if x.dtype == jnp.uint8]
-  # Dense panels of pspec and eagle (fuse and the decoder layer), where the target has blocks;
-  # medusa's heads are no dense layer.
-  assert len(quantised) == (8 if target.keeps_blocks and kind != "medusa" else 0)
+  # Dense panels, where the target has blocks: pspec's and eagle's fuse and decoder layer,
+  # medusa's heads.
+  dense = 1 if kind == "medusa" else 8
+  assert len(quantised) == (dense if target.keeps_blocks else 0)
   # Q8_0 rounds each weight by at most half its block's scale, max |w| / 127.
   got = flatten_util.ravel_pytree(loaded.with_weight_layout("plain").params)[0]
   want = flatten_util.ravel_pytree(drafter.with_weight_layout("plain").params)[0]
