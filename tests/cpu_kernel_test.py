@@ -253,32 +253,43 @@ _PRODUCTS = textwrap.dedent(
     w = panels.pack(jnp.asarray(rng.standard_normal((k, n)), dt))
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
     out[f"{m}"] = np.asarray(jax.jit(cpu_kernel.matmul, static_argnums=2)(x, w, n))
-  for m, k, n, kind in ((1, 576, 192, "Q4_1"), (9, 96, 130, "Q8_0"), (16, 1536, 576, "Q4_1")):
+  for m, k, n, kind in ((1, 576, 192, "Q4_1"), (3, 64, 64, "Q4_1"), (16, 1536, 576, "Q4_1"),
+                        (1, 320, 200, "Q8_0"), (9, 96, 130, "Q8_0")):
     raw, _ = testing.gguf_blocks(rng, kind, k, n)
     w = jnp.asarray(panels.pack_blocks(raw, kind, k, n))
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    # rows of different scales: x's quantisation rounds at every magnitude
+    x = rng.standard_normal((m, k)) * rng.uniform(0.01, 10, (m, 1))
+    x = jnp.asarray(x, jnp.float32)
     out[f"{kind} {m}"] = np.asarray(jax.jit(cpu_kernel.matmul, static_argnums=2)(x, w, n))
   np.savez(sys.argv[1], **out)
   """
 )
 
 
-def test_the_avx512_and_avx2_paths_give_the_same_bits(tmp_path):
-  # One fused multiply-add per k in k order on both (block-quantised panels: the same integer
-  # sums and updates): a calibration or a decode on either instruction set computes the same
-  # products.
+def test_every_instruction_set_gives_the_same_bits(tmp_path):
+  # Block-quantised panels: the same integer sums and float updates on every path, portable
+  # C++ included, so a GGUF target decodes to the same bits on any x86-64 CPU. Float panels:
+  # one fused multiply-add per k in k order on AVX-512 and AVX2 (portable C++ multiplies, then
+  # adds). A calibration or a decode on either instruction set computes the same products.
   got = {}
-  for isa in ("", "avx2"):
+  for isa in ("", "avx2", "portable"):
     path = tmp_path / f"{isa or 'default'}.npz"
     env = testing.cli_env() | {"PSPEC_JAX_CPU_KERNEL_ISA": isa}
     done = subprocess.run([sys.executable, "-c", _PRODUCTS, path], env=env, timeout=300)
     assert done.returncode == 0
     got[isa] = dict(np.load(path))
-  if "(avx512," not in str(got[""].pop("isa")):
-    pytest.skip("this CPU has no AVX-512: both runs took the same path")
+  assert "(portable," in str(got["portable"].pop("isa"))
   assert "(avx2," in str(got["avx2"].pop("isa"))
+  default = str(got[""].pop("isa"))
+  quantised = [name for name in got["portable"] if name.startswith("Q")]
+  assert len(quantised) == 5
+  for name in quantised:
+    np.testing.assert_array_equal(got["avx2"][name], got["portable"][name], err_msg=name)
+    np.testing.assert_array_equal(got[""][name], got["portable"][name], err_msg=name)
+  if "(avx512," not in default:
+    return  # this CPU has no AVX-512: the default run took the AVX2 path
   for m, product in got["avx2"].items():
-    np.testing.assert_array_equal(got[""][m], product)
+    np.testing.assert_array_equal(got[""][m], product, err_msg=m)
 
 
 def test_turned_off_panel_products_take_xla_and_stay_right():
