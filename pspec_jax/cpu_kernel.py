@@ -14,7 +14,8 @@ fused multiply-add per k in k order, so a row's result does not depend on how ma
 the call: a verified tree node computes bit for bit what a plain decoding step computes. A GGUF
 weight can stay in its Q4_1 or Q8_0 blocks (`panels.pack_blocks`), multiplied as llama.cpp
 multiplies them: each row of x quantised to 8 bits per 32 k, exact integer dot products with the
-4- or 8-bit values (AVX-512 VNNI where the CPU has it), then one float update per block; again
+4- or 8-bit values (AVX-512 VNNI where the CPU has it, and AMX's tiles for 9 to 16 rows where it
+has those), then one float update per block; again
 a row's result is its own, and the same on every instruction set.
 
 XLA splits a decoding step's attention into a dozen small dots and reductions that read the
@@ -28,8 +29,8 @@ first use builds it where a compiler exists), kept under `pspec_jax.cache_dir("k
 keyed by its source, the compiler and JAX's FFI headers. Where it cannot be built, or with
 `PSPEC_JAX_CPU_KERNEL=off`, `panels.matmul` takes its pure-JAX path, and everything still runs.
 Environment: `PSPEC_JAX_CPU_KERNEL_THREADS` (default: the usable cores, at most 8) and
-`PSPEC_JAX_CPU_KERNEL_ISA` (`avx2`: not AVX-512 where the CPU has it; `portable`: the C++ path
-instead of either; for tests and comparisons).
+`PSPEC_JAX_CPU_KERNEL_ISA` (`avx512`: not AMX's tiles where the CPU has them; `avx2`: not AVX-512
+either; `portable`: the C++ path instead of any; for tests and comparisons).
 """
 
 import contextlib

@@ -5,6 +5,7 @@ The kernel is built on every machine with a C++ compiler (`make setup`), so thes
 it; the fallback is tested in fresh processes where it is turned off or cannot be built.
 """
 
+import itertools
 import os
 import subprocess
 import sys
@@ -253,8 +254,10 @@ _PRODUCTS = textwrap.dedent(
     w = panels.pack(jnp.asarray(rng.standard_normal((k, n)), dt))
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
     out[f"{m}"] = np.asarray(jax.jit(cpu_kernel.matmul, static_argnums=2)(x, w, n))
+  # AMX takes 9 to 16 rows, VNNI fewer and more
   for m, k, n, kind in ((1, 576, 192, "Q4_1"), (3, 64, 64, "Q4_1"), (16, 1536, 576, "Q4_1"),
-                        (1, 320, 200, "Q8_0"), (9, 96, 130, "Q8_0")):
+                        (17, 64, 130, "Q4_1"), (1, 320, 200, "Q8_0"), (4, 128, 70, "Q8_0"),
+                        (9, 96, 130, "Q8_0")):
     raw, _ = testing.gguf_blocks(rng, kind, k, n)
     w = jnp.asarray(panels.pack_blocks(raw, kind, k, n))
     # rows of different scales: x's quantisation rounds at every magnitude
@@ -267,12 +270,12 @@ _PRODUCTS = textwrap.dedent(
 
 
 def test_every_instruction_set_gives_the_same_bits(tmp_path):
-  # Block-quantised panels: the same integer sums and float updates on every path, portable
-  # C++ included, so a GGUF target decodes to the same bits on any x86-64 CPU. Float panels:
-  # one fused multiply-add per k in k order on AVX-512 and AVX2 (portable C++ multiplies, then
-  # adds). A calibration or a decode on either instruction set computes the same products.
+  # Block-quantised panels: the same integer sums and float updates on every path (AMX's tiles,
+  # AVX-512 VNNI, AVX2, portable C++), so a GGUF target decodes to the same bits on any x86-64
+  # CPU. Float panels: one fused multiply-add per k in k order on AVX-512 and AVX2 (portable
+  # C++ multiplies, then adds). A calibration or a decode on either computes the same products.
   got = {}
-  for isa in ("", "avx2", "portable"):
+  for isa in ("", "avx512", "avx2", "portable"):
     path = tmp_path / f"{isa or 'default'}.npz"
     env = testing.cli_env() | {"PSPEC_JAX_CPU_KERNEL_ISA": isa}
     done = subprocess.run([sys.executable, "-c", _PRODUCTS, path], env=env, timeout=300)
@@ -280,16 +283,16 @@ def test_every_instruction_set_gives_the_same_bits(tmp_path):
     got[isa] = dict(np.load(path))
   assert "(portable," in str(got["portable"].pop("isa"))
   assert "(avx2," in str(got["avx2"].pop("isa"))
+  assert "+amx" not in str(got["avx512"].pop("isa"))
   default = str(got[""].pop("isa"))
   quantised = [name for name in got["portable"] if name.startswith("Q")]
-  assert len(quantised) == 5
-  for name in quantised:
-    np.testing.assert_array_equal(got["avx2"][name], got["portable"][name], err_msg=name)
-    np.testing.assert_array_equal(got[""][name], got["portable"][name], err_msg=name)
-  if "(avx512," not in default:
+  assert len(quantised) == 7
+  for isa, name in itertools.product(("", "avx512", "avx2"), quantised):
+    np.testing.assert_array_equal(got[isa][name], got["portable"][name], err_msg=f"{isa} {name}")
+  if "(avx512" not in default:
     return  # this CPU has no AVX-512: the default run took the AVX2 path
-  for m, product in got["avx2"].items():
-    np.testing.assert_array_equal(got[""][m], product, err_msg=m)
+  for isa, (m, product) in itertools.product(("", "avx512"), got["avx2"].items()):
+    np.testing.assert_array_equal(got[isa][m], product, err_msg=f"{isa} {m}")
 
 
 def test_turned_off_panel_products_take_xla_and_stay_right():
