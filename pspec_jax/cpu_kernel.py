@@ -28,9 +28,12 @@ The kernel is C++ built from source on this machine (`build`; `make setup` runs 
 first use builds it where a compiler exists), kept under `pspec_jax.cache_dir("kernels")`
 keyed by its source, the compiler and JAX's FFI headers. Where it cannot be built, or with
 `PSPEC_JAX_CPU_KERNEL=off`, `panels.matmul` takes its pure-JAX path, and everything still runs.
-Environment: `PSPEC_JAX_CPU_KERNEL_THREADS` (default: the usable cores, at most 8) and
+Environment: `PSPEC_JAX_CPU_KERNEL_THREADS` (default: the usable cores, at most 8),
 `PSPEC_JAX_CPU_KERNEL_ISA` (`avx512`: not AMX's tiles where the CPU has them; `avx2`: not AVX-512
-either; `portable`: the C++ path instead of any; for tests and comparisons).
+either; `portable`: the C++ path instead of any; for tests and comparisons) and
+`PSPEC_JAX_CPU_KERNEL_READ_AHEAD` (bytes of the next product's weights the idle kernel threads
+bring into cache while XLA computes between products; default: a core's L2, 0: none;
+`read_ahead` sets it in a running process).
 """
 
 import contextlib
@@ -64,6 +67,7 @@ __all__ = [
   "matmul",
   "matmuls",
   "platform_dependent",
+  "read_ahead",
   "rejection",
   "rope_cos_sin",
   "softmax",
@@ -155,6 +159,8 @@ def _library() -> ctypes.CDLL | None:
   jax.ffi.register_ffi_target(_REJECTION, jax.ffi.pycapsule(lib.VocabRejection), platform="cpu")
   jax.ffi.register_ffi_target(_ROPE, jax.ffi.pycapsule(lib.RopeCosSin), platform="cpu")
   lib.pspec_panel_matmul_isa.restype = ctypes.c_char_p
+  lib.pspec_read_ahead_bytes.restype = ctypes.c_int64
+  lib.pspec_read_ahead_bytes.argtypes = [ctypes.c_int64]
   return lib
 
 
@@ -196,7 +202,18 @@ def describe() -> str:
     return "XLA (no CPU kernels)"
   lib = _library()
   isa, threads = lib.pspec_panel_matmul_isa().decode(), lib.pspec_panel_matmul_threads()
-  return f"CPU kernels ({isa}, {threads} threads)"
+  return f"CPU kernels ({isa}, {threads} threads, read-ahead {read_ahead() >> 10} KB)"
+
+
+def read_ahead(num_bytes: int | None = None) -> int:
+  """The kernel threads' read-ahead budget in bytes (csrc/cpu_kernels.cc, "Read-ahead"): set to
+  `num_bytes` if given (0: none), for comparisons within one process; returns the budget before.
+  A prefetch only moves memory into cache: no result depends on it."""
+  if num_bytes is not None and num_bytes < 0:
+    raise ValueError(f"read-ahead must be >= 0 bytes, got {num_bytes}")
+  if not available():
+    raise RuntimeError("the CPU kernels are not available")
+  return _library().pspec_read_ahead_bytes(-1 if num_bytes is None else num_bytes)
 
 
 def build_id() -> str:

@@ -115,6 +115,43 @@ def test_block_quantised_panels_equal_numpy_s_integer_arithmetic(kind):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
 
 
+def test_reading_ahead_changes_no_product_even_of_weights_freed_since():
+  # The kernel threads bring the weights of the call that came next last time into cache:
+  # the products are the same bits with or without it, where the remembered weights are freed
+  # (their memory asked for all the same) and over more calls than are remembered.
+  rng = np.random.default_rng(11)
+  k, n = 96, 130
+  x = jnp.asarray(rng.standard_normal((4, k)), jnp.float32)
+
+  def blocks():
+    raw, _ = testing.gguf_blocks(rng, "Q4_1", k, n)
+    return raw, jnp.asarray(panels.pack_blocks(raw, "Q4_1", k, n))
+
+  (raw_a, a), (raw_b, b) = blocks(), blocks()
+  want_a = np.asarray(kernel_matmul(x, a, n))
+  np.testing.assert_allclose(want_a, testing.gguf_block_matmul(x, raw_a, "Q4_1", k, n), rtol=1e-6)
+  before = cpu_kernel.read_ahead(1 << 20)
+  try:
+    for _ in range(3):  # a after b, then b after a: each call reads the other ahead
+      jax.block_until_ready(kernel_matmul(x, b, n))
+      np.testing.assert_array_equal(np.asarray(kernel_matmul(x, a, n)), want_a)
+    want_b = testing.gguf_block_matmul(x, raw_b, "Q4_1", k, n)
+    np.testing.assert_allclose(np.asarray(kernel_matmul(x, b, n)), want_b, rtol=1e-6)
+    del b  # freed: the call after a read b's memory ahead last time
+    np.testing.assert_array_equal(np.asarray(kernel_matmul(x, a, n)), want_a)
+    others = [a + i for i in range(1, 4200)]  # past the 4096 calls a thread remembers
+    for w in others:
+      jax.block_until_ready(kernel_matmul(x, w, n))
+    del others
+    np.testing.assert_array_equal(np.asarray(kernel_matmul(x, a, n)), want_a)
+    cpu_kernel.read_ahead(0)
+    np.testing.assert_array_equal(np.asarray(kernel_matmul(x, a, n)), want_a)
+  finally:
+    cpu_kernel.read_ahead(before)
+  with pytest.raises(ValueError, match=">= 0 bytes"):
+    cpu_kernel.read_ahead(-1)
+
+
 def test_weights_of_another_type_or_block_size_are_one_clear_error():
   x = jnp.ones((2, 64), jnp.float32)
   for w in (jnp.ones((1, 2, 1000), jnp.uint8), jnp.ones((1, 64, 64), jnp.int32)):
@@ -239,8 +276,12 @@ def _run(**env):
 
 
 def test_the_portable_path_and_one_thread_give_the_same_products():
-  out, _ = _run(PSPEC_JAX_CPU_KERNEL_ISA="portable", PSPEC_JAX_CPU_KERNEL_THREADS="1")
-  assert out == "CPU kernels (portable, 1 threads) True"
+  out, _ = _run(
+    PSPEC_JAX_CPU_KERNEL_ISA="portable",
+    PSPEC_JAX_CPU_KERNEL_THREADS="1",
+    PSPEC_JAX_CPU_KERNEL_READ_AHEAD="65536",
+  )
+  assert out == "CPU kernels (portable, 1 threads, read-ahead 64 KB) True"
 
 
 _PRODUCTS = textwrap.dedent(
