@@ -3,6 +3,9 @@ r"""Where a speculative round spends its time, and what verifying N tree nodes c
   python -m infer.profile_round                       # random pspec drafter and pld, K=4
   python -m infer.profile_round --methods=pld,eagle --num_draft=6 --tree=sparse16
   python -m infer.profile_round --target=random:llama2_7b --dtype=bfloat16   # on a GPU
+  python -m infer.profile_round --methods=pspec \
+      --drafter=pspec_jax/drafters/smollm2-135m-instruct/pspec --tree=paths:0+lookup:6 \
+      --nodes=1,2,4,8 --read_ahead=0,1048576   # with part 4
 
 Part 1 runs each method's rounds one phase at a time from the host (each phase jitted on its
 own, timed after `block_until_ready`): draft, verify, accept+commit, in ms per round and as
@@ -11,7 +14,9 @@ jitted `while_loop`, as `pspec_jax.decode` runs it); both decode every prompt to
 `--max_new_tokens` (EOS off). Part 2 times the verification pass alone
 for trees of N = 1, 2, 4, ... nodes (N = 1 is the root alone) at the same context, relative to
 one whole auto-regressive round. Part 3 sets the plain decode step against the memory-bandwidth
-floor (every weight a step reads, read once at the measured streaming-read bandwidth). These numbers
+floor (every weight a step reads, read once at the measured streaming-read bandwidth). Part 4
+(`--read_ahead`, where the CPU kernel runs) times whole decodes of plain decoding and each
+method under each of the kernel's read-ahead budgets, alternating in one process. These numbers
 decide the tree budget on a given machine. Everything is compiled and warmed up before it is
 timed; reported times are medians.
 
@@ -30,7 +35,7 @@ import numpy as np
 from absl import flags
 
 from infer import measure
-from pspec_jax import checkpoints, cli, decode, drafter_files, llama
+from pspec_jax import checkpoints, cli, cpu_kernel, decode, drafter_files, llama
 from pspec_jax import prompts as prompts_lib
 from pspec_jax.presets import ARCHITECTURES
 
@@ -53,6 +58,27 @@ def verify_cost(target, drafter, ids, cfg, nodes, repeats):
     state = decode.init(plan, target, d, tokens, lengths, key)
     out[n] = measure.median_ms(decode.verify, plan, target, d, state, repeats=repeats)
   return ar_ms, out
+
+
+def read_ahead_costs(target, drafters: dict, prompts, cfg, budgets, turns=5) -> dict:
+  """Ms per round of whole decodes (`measure.round_seconds`, the median over `prompts`) for
+  each named drafter (None: plain decoding) under each of the CPU kernel's read-ahead budgets
+  (bytes), the budgets alternating in order and reverse over `turns`: {name: {budget: [ms per
+  turn]}}. The kernel's budget is restored after."""
+  out = {name: {b: [] for b in budgets} for name in drafters}
+  before = cpu_kernel.read_ahead()
+  try:
+    for turn in range(turns):
+      for budget in budgets if turn % 2 == 0 else budgets[::-1]:
+        cpu_kernel.read_ahead(budget)
+        for name, drafter in drafters.items():
+          seconds = [
+            measure.round_seconds(target, drafter, ids, cfg, repeats=2)[0] for ids in prompts
+          ]
+          out[name][budget].append(1e3 * statistics.median(seconds))
+  finally:
+    cpu_kernel.read_ahead(before)
+  return out
 
 
 RANDOM = "random:"
@@ -169,6 +195,35 @@ def main():
     f"{step['weight_bytes'] / step['bandwidth_floor_ms'] / 1e6:.0f} GB/s): "
     f"step / floor {step['step_over_floor']:.2f}, the median of each timing turn's own ratio."
   )
+  budgets = [int(b) for b in FLAGS.read_ahead]
+  if not budgets:
+    return
+  if not cpu_kernel.available():
+    print("\nRead-ahead: no CPU kernel here, nothing to compare.")
+    return
+  drafters = {"none": None} | {
+    m: drafter_files.resolve_drafter(
+      m, None if m == "pld" else FLAGS.drafter, target, num_draft=FLAGS.num_draft
+    )
+    for m in FLAGS.methods
+    if m != "none"
+  }
+  costs = read_ahead_costs(target, drafters, encoded[:2], timed_cfg, budgets)
+  print(
+    f"\nRead-ahead (the CPU kernel's budget in bytes, alternating in this process over 5 turns; "
+    f"ms per round of whole decodes, tree {FLAGS.tree}; in brackets the median of each turn's "
+    f"ratio to {budgets[0]} bytes):\n"
+  )
+  print("| method | " + " | ".join(f"{b} bytes" for b in budgets) + " |")
+  print("|---|" + "---|" * len(budgets))
+  for name, by_budget in costs.items():
+    base = by_budget[budgets[0]]
+    ratios = [[a / b for a, b in zip(ms, base, strict=True)] for ms in by_budget.values()]
+    cells = [
+      f"{statistics.median(ms):.2f} ({statistics.median(r):.3f})"
+      for ms, r in zip(by_budget.values(), ratios, strict=True)
+    ]
+    print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
 
 
 def define_flags():
@@ -202,6 +257,12 @@ def define_flags():
   flags.DEFINE_integer("num_prompts", 4, "MT-Bench prompts (first turns).")
   flags.DEFINE_integer("max_new_tokens", 64, "Tokens generated per prompt in part 1.")
   flags.DEFINE_integer("repeats", 20, "Timed verification passes per tree size in part 2.")
+  flags.DEFINE_list(
+    "read_ahead",
+    [],
+    "Part 4, where the CPU kernel runs: its read-ahead budgets in bytes to compare (e.g. "
+    "0,1048576), plain decoding and each method's rounds; empty: skipped.",
+  )
 
 
 if __name__ == "__main__":

@@ -62,6 +62,23 @@ def test_a_random_target_profiles_round_parts_loop_and_step(monkeypatch):
   assert step["bandwidth_floor_ms"] > 0 and math.isfinite(step["step_over_floor"])
 
 
+def test_read_ahead_budgets_are_timed_in_turns_and_the_kernel_s_is_restored(monkeypatch):
+  monkeypatch.setitem(presets.ARCHITECTURES, "tiny", TINY_ARCH)
+  target, prompts, _ = profile_round.load("random:tiny", jnp.float32, "decode", 2, 12)
+  drafter = testing.drafter_for("pspec", target, num_draft=2)
+  cfg = decode.DecodeConfig(max_new_tokens=5, num_draft=2, tree="chain")
+  assert cpu_kernel.available(), cpu_kernel.describe()
+  before = cpu_kernel.read_ahead()
+  costs = profile_round.read_ahead_costs(
+    target, {"none": None, "pspec": drafter}, prompts, cfg, [0, 65536], turns=2
+  )
+  assert list(costs) == ["none", "pspec"] and all(list(c) == [0, 65536] for c in costs.values())
+  assert all(
+    len(ms) == 2 and all(math.isfinite(t) for t in ms) for c in costs.values() for ms in c.values()
+  )
+  assert cpu_kernel.read_ahead() == before
+
+
 def test_the_step_and_the_floor_are_timed_in_the_same_turns(monkeypatch):
   """Each turn's step (its 65-token decode less its 1-token one, over 4 rounds) against that
   turn's floor; the ratio is the median of the turns' ratios, which machine drift between turns
