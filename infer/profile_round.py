@@ -60,7 +60,10 @@ def verify_cost(target, drafter, ids, cfg, nodes, repeats):
   return ar_ms, out
 
 
-def read_ahead_costs(target, drafters: dict, prompts, cfg, budgets, turns=5) -> dict:
+READ_AHEAD_TURNS = 5  # part 4's turns
+
+
+def read_ahead_costs(target, drafters: dict, prompts, cfg, budgets, turns=READ_AHEAD_TURNS):
   """Ms per round of whole decodes (`measure.round_seconds`, the median over `prompts`) for
   each named drafter (None: plain decoding) under each of the CPU kernel's read-ahead budgets
   (bytes), the budgets alternating in order and reverse over `turns`: {name: {budget: [ms per
@@ -162,9 +165,11 @@ def main():
   print("|---|---|---|---|---|---|---|---|---|")
   # Both timings decode every prompt to max_new_tokens (EOS off), so they cover the same rounds.
   timed_cfg = dataclasses.replace(cfg, eos_ids=())
+  drafters = {"none": None}  # part 4's, each method's as part 1 resolves it
   for method in FLAGS.methods:
     spec = None if method in ("none", "pld") else FLAGS.drafter
     drafter = drafter_files.resolve_drafter(method, spec, target, num_draft=FLAGS.num_draft)
+    drafters[method] = drafter
     ms, rounds = measure.phase_split(target, drafter, encoded, timed_cfg)
     total = sum(ms.values())
     shares = " / ".join(f"{100 * ms[k] / total:.0f}%" for k in ms)
@@ -201,16 +206,10 @@ def main():
   if not cpu_kernel.available():
     print("\nRead-ahead: no CPU kernel here, nothing to compare.")
     return
-  drafters = {"none": None} | {
-    m: drafter_files.resolve_drafter(
-      m, None if m == "pld" else FLAGS.drafter, target, num_draft=FLAGS.num_draft
-    )
-    for m in FLAGS.methods
-    if m != "none"
-  }
   costs = read_ahead_costs(target, drafters, encoded[:2], timed_cfg, budgets)
   print(
-    f"\nRead-ahead (the CPU kernel's budget in bytes, alternating in this process over 5 turns; "
+    f"\nRead-ahead (the CPU kernel's budget in bytes, alternating in this process over "
+    f"{READ_AHEAD_TURNS} turns; "
     f"ms per round of whole decodes, tree {FLAGS.tree}; in brackets the median of each turn's "
     f"ratio to {budgets[0]} bytes):\n"
   )

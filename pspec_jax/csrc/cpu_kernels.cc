@@ -1082,8 +1082,8 @@ static_assert(kMaxWeights <= kMaxRegions);
 // Each calling thread remembers which call followed each call (by its first weight) the last
 // time, and while XLA computes what lies between, the idle workers ask memory for the start
 // of that call's weights, up to `read_ahead_bytes`: by default what a core's L2 holds (on a
-// 2-core AMD EPYC, Zen 5 with 1 MB of L2, 2 MB made a step slower than 1 MB, and 1 MB made
-// plain decoding's steps 0.90-0.93x and a drafted round's 0.89-0.94x what they took without),
+// 2-core AMD EPYC, Zen 5 with 1 MB of L2, 2 MB once made a step slower than 1 MB, and 1 MB made
+// plain decoding's steps 0.87-0.93x and a drafted round's 0.86-0.94x what they took without),
 // or PSPEC_JAX_CPU_KERNEL_READ_AHEAD bytes (0: none).
 int64_t default_read_ahead() {
   if (const char* s = std::getenv("PSPEC_JAX_CPU_KERNEL_READ_AHEAD")) {
@@ -1101,10 +1101,11 @@ int64_t default_read_ahead() {
 std::atomic<int64_t> read_ahead_bytes{default_read_ahead()};
 constexpr size_t kMaxRemembered = 4096;  // calls remembered per thread (several models' steps)
 
-// The Regions the call after `key` read last time (null: none yet), after noting that the call
-// before this one was followed by this one (`weights`, the call's weights and their bytes).
-const Regions* remember_calls(const void* key, const char* const* weights, const int64_t* bytes,
-                              int64_t count) {
+// The Regions the call after this one read last time (null: none yet), after noting that the
+// call before this one was followed by this one (`weights`, the call's weights and their bytes;
+// a call is known by its first weight).
+const Regions* remember_calls(const char* const* weights, const int64_t* bytes, int64_t count) {
+  const void* key = weights[0];
   // Never freed, never shrunk: a worker may be reading an entry (after a thread's end too).
   thread_local auto& next_of = *new std::unordered_map<const void*, Regions>();
   thread_local const void* last = nullptr;
@@ -1196,7 +1197,7 @@ ffi::Error PanelMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws, ffi::
     job.fn[j](job.p[j], i - job.start[j]);
   };
   // Published before the call: a worker reads ahead only once it has no task of it left.
-  pool().read_ahead(remember_calls(weights[0], weights, weight_bytes, count));
+  pool().read_ahead(remember_calls(weights, weight_bytes, count));
   pool().run({one, &ctx, ctx.start[count]});
   return ffi::Error::Success();
 }
