@@ -27,6 +27,12 @@ def get_config(variant: str | None = None) -> ml_collections.ConfigDict:
   # one decode on a shared machine can take tens of percent longer than the next.
   config.turns = 3
   config.temperature = "0"  # list
+  # Sampled rows (T > 0) decode max_new_tokens from each prompt, past EOS, unless this is True:
+  # a sampled answer's length is a random draw, another for each method, and one that stopped
+  # early carries more of its prompt's prefill per token (with 4 prompts at T = 1, one method's
+  # answers came to 280 tokens and `none`'s to 512, and its tokens/s read a fifth low). Greedy
+  # rows stop at EOS: every method gives the same tokens.
+  config.sampled_eos = False
   config.batch_size = "1"  # list
   config.num_draft = ""  # list of K; "" is each drafter's own
   # list of trees (chain, sparseN, dynamic:N, paths:..., each with optional +min:P and +lookup:L;

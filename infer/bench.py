@@ -199,7 +199,11 @@ def run(config, progress=True) -> dict:
 
   def decode_config(s: measure.Setting) -> decode.DecodeConfig:
     return s.decode_config(
-      max_new_tokens=config.max_new_tokens, eos_ids=eos_ids, pad_id=pad_id, mesh=mesh
+      max_new_tokens=config.max_new_tokens,
+      eos_ids=eos_ids,
+      pad_id=pad_id,
+      mesh=mesh,
+      sampled_eos=config.sampled_eos,
     )
 
   def costs(s: measure.Setting, cfg, width: int) -> tuple:

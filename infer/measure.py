@@ -100,12 +100,16 @@ class Setting:
   def baseline(self) -> "Setting":
     return Setting("none", self.dataset, self.temperature, self.batch_size, 0, "")
 
-  def decode_config(self, *, max_new_tokens, eos_ids, pad_id, mesh=None):
-    """The `pspec_jax.decode.DecodeConfig` this setting decodes with."""
+  def decode_config(self, *, max_new_tokens, eos_ids, pad_id, mesh=None, sampled_eos=False):
+    """The `pspec_jax.decode.DecodeConfig` this setting decodes with. Sampled (T > 0), it
+    decodes `max_new_tokens` past any EOS unless `sampled_eos`: a sampled answer's length is a
+    random draw, another for each method, and one that stops early carries more of its prompt's
+    prefill per token, which is not a speed of its method."""
+    stops = self.temperature == 0 or sampled_eos
     return decode.DecodeConfig(
       max_new_tokens=max_new_tokens,
       sampling=SamplingConfig(temperature=self.temperature),
-      eos_ids=eos_ids,
+      eos_ids=eos_ids if stops else (),
       pad_id=pad_id,
       num_draft=self.num_draft,
       tree=self.tree,
@@ -203,6 +207,8 @@ class HFMethod:
     sampling = self.cfg.sampling
     torch.manual_seed(int(jax.random.randint(key, (), 0, 2**31 - 1)))
     extra = dict(prompt_lookup_num_tokens=HF_PROMPT_LOOKUP_TOKENS) if self.prompt_lookup else {}
+    if not self.cfg.eos_ids:  # decode max_new_tokens whatever comes, as pspec_jax does
+      extra.update(min_new_tokens=self.cfg.max_new_tokens)
     with torch.inference_mode():
       out = self.model.generate(
         torch.tensor([ids], device=self.device),
@@ -212,8 +218,8 @@ class HFMethod:
         temperature=sampling.temperature or None,
         top_k=sampling.top_k or None,
         top_p=sampling.top_p,
-        eos_token_id=list(self.cfg.eos_ids),
-        pad_token_id=self.cfg.eos_ids[0],
+        eos_token_id=list(self.cfg.eos_ids) or None,
+        pad_token_id=self.cfg.pad_id,
         **extra,
       )
     return Outcome(tokens=[out[0, len(ids) :].tolist()])

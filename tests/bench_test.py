@@ -1,5 +1,6 @@
 """`python -m infer.bench`: settings, rows, the report and plots, and one real run."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -365,6 +366,22 @@ def test_hf_generate_samples_reproducibly_from_the_key(tmp_path, prompt_lookup):
   draws = [hf(prompt, jax.random.key(seed)).tokens[0] for seed in (0, 0, 1, 2)]
   assert draws[0] == draws[1] and 1 <= len(draws[0]) <= 12
   assert draws[0] != draws[2] or draws[0] != draws[3]  # a random 96-token model: not greedy
+  # Without EOS (a sampled bench row), every draw is max_new_tokens long, as pspec_jax's are.
+  cfg = dataclasses.replace(cfg, eos_ids=())
+  hf = measure.HFMethod(str(tmp_path), cfg, threads=1, prompt_lookup=prompt_lookup)
+  assert [len(hf(prompt, jax.random.key(seed)).tokens[0]) for seed in range(4)] == [12] * 4
+
+
+def test_sampled_rows_decode_past_eos_to_their_length_unless_asked_to_stop():
+  """A sampled answer's length is a random draw, another for each method; each row's tokens
+  per second would weigh its prefill differently. Greedy rows stop at EOS."""
+  greedy = measure.Setting("pspec", "mt_bench", 0.0, 1, 3, "chain")
+  sampled = dataclasses.replace(greedy, temperature=1.0)
+  given = dict(max_new_tokens=4, eos_ids=(2, 5), pad_id=0)
+  assert greedy.decode_config(**given).eos_ids == (2, 5)
+  assert sampled.decode_config(**given).eos_ids == ()
+  assert sampled.decode_config(**given, sampled_eos=True).eos_ids == (2, 5)
+  assert config().sampled_eos is False
 
 
 LLAMA2_13B_CONFIG = dict(
