@@ -20,10 +20,11 @@ rounds leave pending). The rounds are timed in the program that decodes: `decode
 for the decode's own shapes, with its `restart` on, which starts every round from one state (the
 caches updated in place, as when decoding) where the choice is pinned to c. So calibrating
 compiles nothing the decode does not (the first decode then starts at once), and takes seconds:
-the rounds themselves, `ROUNDS` per option per turn. The state's context repeats the prompt, so
-the lookup finds a match and a candidate's chain runs. Each candidate has two costs: without and
-with its prompt-lookup chain verified. Summed from a round's passes instead, realized rounds had
-cost 9% (fixed trees) to 25% (adaptive ones) more than calibrated.
+the rounds themselves, `SHORT_ROUNDS` and `ROUNDS` per option per turn (a round is the
+difference over `ROUNDS - SHORT_ROUNDS`, so the call's own cost cancels). The state's context
+repeats the prompt, so the lookup finds a match and a candidate's chain runs. Each candidate
+has two costs: without and with its prompt-lookup chain verified. Summed from a round's passes
+instead, realized rounds had cost 9% (fixed trees) to 25% (adaptive ones) more than calibrated.
 
 The candidates are timed in turns, `REPEATS` of them, and a cost is the median over turns of the
 candidate's time against the root alone's in the same turn. On a shared 2-core machine ten
@@ -53,6 +54,7 @@ from pspec_jax import adaptive, cpu_kernel, decode
 from pspec_jax import propose as propose_lib
 from pspec_jax import rounds as rounds_lib
 
+# 12: a round the difference of two run lengths (the call's own cost cancels);
 # 11: medusa's heads one dense weight (its drafting rounds cheaper on a CPU);
 # 10: timed in the decoding program itself (`decode.run` restarted), at the decode's shapes;
 # 8: an option's rounds as the adaptive loop runs them (`rounds.adaptive_rounds`), no switch;
@@ -60,11 +62,15 @@ from pspec_jax import rounds as rounds_lib
 # plain round cheaper); 6: costs from paired turns (`measure.paired_ratio`), 15 of them;
 # 5: an adaptive round's bonus noise drawn before its switch (root-alone rounds 4% cheaper at
 # T = 1); 4: whole rounds from one context, against the root alone; 2: summed passes.
-VERSION = 11
+VERSION = 12
 FILE = "round_costs.json"
 # The pinned candidate's cost, and every other option's: only the pinned one is affordable.
 PINNED_IN, PINNED_OUT = 1e-3, 1e9
-ROUNDS = 10  # rounds timed in a row (`_rounds`)
+# Each option is timed over SHORT_ROUNDS and ROUNDS rounds in a row, and its round is the
+# difference over ROUNDS - SHORT_ROUNDS: what a call costs besides its rounds (dispatch, the
+# context's copy; 1.5 ms a round over 10 on a 2-core Xeon, half a plain step) cancels, where it
+# would add the same to every option and pull their costs towards the root alone's.
+SHORT_ROUNDS, ROUNDS = 2, 12
 REPEATS = 15  # turns timed (`measure.interleaved_times`)
 
 
@@ -173,22 +179,22 @@ _copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
 
 
 class _Rounds:
-  """`ROUNDS` rounds of the decoding program (`decode.run`, restarted: each round from one
-  state's context) for each pinned state: one call times one option. The calls share the
+  """Rounds of the decoding program (`decode.run`, restarted: each round from one state's
+  context) for each pinned state: one call times one option. The calls share the
   caches' buffers, which `decode.run` takes (donated) and hands back updated in place."""
 
   def __init__(self, plan, target, drafter, state):
     self.plan, self.target, self.drafter = plan, target, drafter
     self.carried = state  # whose caches' buffers the next call takes
 
-  def timer(self, start):
-    """A call of `ROUNDS` rounds from `start` (a state whose buffers are not read)."""
+  def timer(self, start, rounds: int):
+    """A call of `rounds` rounds from `start` (a state whose buffers are not read)."""
     context = rounds_lib.without_buffers(start)
 
     def call():
       state = rounds_lib.with_buffers(_copy(context), self.carried)  # `decode.run` takes it
       out = decode.run(
-        self.plan, self.target, self.drafter, state, state.step + ROUNDS, np.bool_(True)
+        self.plan, self.target, self.drafter, state, state.step + rounds, np.bool_(True)
       )
       self.carried = out
       return out
@@ -204,7 +210,8 @@ def measure(
   settings and draft rule.
 
   Rounds are timed whole, in the program that decodes (`decode.run` for `cfg`'s plan at this
-  width, restarted: compiled once for both), `ROUNDS` in a row from the same context, with the
+  width, restarted: compiled once for both), `SHORT_ROUNDS` and `ROUNDS` in a row from the same
+  context (a round: the difference over `ROUNDS - SHORT_ROUNDS`), with the
   choice pinned to each option (a candidate with and without its chain) in turn. The context is
   the prompt `ids` twice and its first token again, so the lookup finds a match and a chain runs
   where the option has it. A round that drafts nothing leaves its pairs pending, and a feed
@@ -220,7 +227,9 @@ def measure(
   rounds = _Rounds(plan, target, drafter, state)
   calls = {}
   for c, chain in adaptive.options(pool):
-    calls[(c, chain)] = (rounds.timer(_pinned(state, c, chain, pool)),)
+    pinned = _pinned(state, c, chain, pool)
+    for n in (SHORT_ROUNDS, ROUNDS):
+      calls[(c, chain, n)] = (rounds.timer(pinned, n),)
   kept = pool.max_depth + 1
   if state.drafter_cache is not None:  # a buffer's worth of pending pairs, taken in by one feed
     pending = state.pending
@@ -229,7 +238,13 @@ def measure(
     calls["feed"] = (jax.jit(propose_lib.feed), drafter, target, cache, full)
   times = measure_lib.interleaved_times(calls, repeats)
   feed = np.asarray(times.pop("feed", [0.0] * repeats)) / (kept + 1)  # per round, per turn
-  per_round = {name: np.asarray(t) / ROUNDS for name, t in times.items()}  # ms, per turn
+  per_round = {  # ms, per turn
+    (c, chain): (
+      np.asarray(times[(c, chain, ROUNDS)]) - np.asarray(times[(c, chain, SHORT_ROUNDS)])
+    )
+    / (ROUNDS - SHORT_ROUNDS)
+    for c, chain in adaptive.options(pool)
+  }
   root = per_round[(0, False)] + feed  # the root alone: the adaptive round to beat
   out = {}
   for c, cand in enumerate(pool.candidates):

@@ -237,17 +237,27 @@ def test_option_rounds_run_their_candidate_from_the_same_context(target, option)
 
 def test_a_cost_compares_rounds_timed_in_the_same_turn(target, monkeypatch):
   """The machine slows down in turn 3, between the root alone's time and the others': each
-  turn's ratio is 1.2 (1.5 with the chain), where the ratio of medians would be 2.4."""
+  turn's ratio is 1.2 (1.5 with the chain), where the ratio of medians would be 2.4. Every call
+  also costs 40 ms besides its rounds, which cancels: over 10 rounds alone it would have made
+  the ratios 1.14 and 1.36."""
   root = [10.0, 10.0, 10.0, 20.0, 20.0]
   later = [10.0, 10.0, 20.0, 20.0, 20.0]
 
   def times(calls, repeats):
     assert repeats == 5
-    out = {name: [1.2 * t for t in later] for name in calls}
-    out[(0, False)] = root
-    out[(2, True)] = [1.5 * t for t in later]
-    out["feed"] = [0.0] * repeats
-    return {name: [calibration.ROUNDS * t for t in ts] for name, ts in out.items()}
+    out = {"feed": [0.0] * repeats}
+    for name in calls:
+      if name == "feed":
+        continue
+      c, chain, n = name
+      per_round = root if (c, chain) == (0, False) else later
+      scale = 1.5 if (c, chain) == (2, True) else 1.0 if (c, chain) == (0, False) else 1.2
+      out[name] = [40.0 + n * scale * t for t in per_round]
+    assert {n for name in out if name != "feed" for n in name[2:]} == {
+      calibration.SHORT_ROUNDS,
+      calibration.ROUNDS,
+    }
+    return out
 
   monkeypatch.setattr(calibration.measure_lib, "interleaved_times", times)
   drafter = testing.drafter_for("pspec", target)
