@@ -666,21 +666,33 @@ def _draft_option(plan, fixed, target, drafter, state) -> tuple[DecodeState, KVC
 def _take_pairs(plan, fixed, target, drafter, state, pairs: Pairs) -> DecodeState:
   """The state with a round's new pairs pending. A drafter without a cache reads the last
   round's pairs alone. A drafter with one took the pending pairs in with its pass if the round
-  drafted; a round that did not adds its pairs to them, and once the buffer has no room left
-  for the widest round's, a feed takes them all in."""
-  width = state.pending.tokens.shape[1]
+  drafted; a round that did not adds its pairs to them (`_fed` takes them in once the buffer is
+  full)."""
   empty = state.pending.replace(count=jnp.zeros_like(state.pending.count))
   if state.drafter_cache is None or fixed.tree.depth > 0:
     return state.replace(pending=_merged(empty, pairs))
-  pending = _merged(state.pending, pairs)
+  return _fed(plan, target, drafter, state.replace(pending=_merged(state.pending, pairs)))
 
-  def fed():
-    run = lambda p: feed(drafter, target, state.drafter_cache, p)
-    return _over_valid_pairs(plan, state, pending, run), empty
 
-  full = jnp.max(pending.count) > width - (plan.max_depth + 1)
-  cache, pending = jax.lax.cond(full, fed, lambda: (state.drafter_cache, pending))
-  return state.replace(drafter_cache=cache, pending=pending)
+def _fed(plan: Plan, target: Target, drafter: Drafter, state: DecodeState) -> DecodeState:
+  """The state with the pending pairs taken into the drafter's cache if the buffer has no room
+  left for the widest round's. A `lax.while_loop` that runs once or not at all, not a
+  `lax.cond`: a cond returning the cache copied it every round (the drafter's caches and the
+  pending buffer: 0.05 ms of copies and 0.15 ms in all of a 4.5 ms root-alone round on a 2-core
+  CPU), where a loop updates its buffers in place."""
+  width = state.pending.tokens.shape[1]
+
+  def full(s):
+    return jnp.max(s.pending.count) > width - (plan.max_depth + 1)
+
+  def take_in(s):
+    run = lambda p: feed(drafter, target, s.drafter_cache, p)
+    cache = _over_valid_pairs(plan, s, s.pending, run)
+    return s.replace(
+      drafter_cache=cache, pending=s.pending.replace(count=jnp.zeros_like(s.pending.count))
+    )
+
+  return jax.lax.while_loop(full, take_in, state)
 
 
 def _merged(pending: Pairs, pairs: Pairs) -> Pairs:
