@@ -54,7 +54,8 @@ from pspec_jax import adaptive, cpu_kernel, decode
 from pspec_jax import propose as propose_lib
 from pspec_jax import rounds as rounds_lib
 
-# 12: a round the difference of two run lengths (the call's own cost cancels);
+# 13: the pending pairs' feed a while loop (root-alone rounds no longer copy the drafter's
+# cache); 12: a round the difference of two run lengths (the call's own cost cancels);
 # 11: medusa's heads one dense weight (its drafting rounds cheaper on a CPU);
 # 10: timed in the decoding program itself (`decode.run` restarted), at the decode's shapes;
 # 8: an option's rounds as the adaptive loop runs them (`rounds.adaptive_rounds`), no switch;
@@ -62,7 +63,7 @@ from pspec_jax import rounds as rounds_lib
 # plain round cheaper); 6: costs from paired turns (`measure.paired_ratio`), 15 of them;
 # 5: an adaptive round's bonus noise drawn before its switch (root-alone rounds 4% cheaper at
 # T = 1); 4: whole rounds from one context, against the root alone; 2: summed passes.
-VERSION = 12
+VERSION = 13
 FILE = "round_costs.json"
 # The pinned candidate's cost, and every other option's: only the pinned one is affordable.
 PINNED_IN, PINNED_OUT = 1e-3, 1e9
