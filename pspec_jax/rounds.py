@@ -677,9 +677,9 @@ def _take_pairs(plan, fixed, target, drafter, state, pairs: Pairs) -> DecodeStat
 def _fed(plan: Plan, target: Target, drafter: Drafter, state: DecodeState) -> DecodeState:
   """The state with the pending pairs taken into the drafter's cache if the buffer has no room
   left for the widest round's. A `lax.while_loop` that runs once or not at all, not a
-  `lax.cond`: a cond returning the cache copied it every round (the drafter's caches and the
-  pending buffer: 0.05 ms of copies and 0.15 ms in all of a 4.5 ms root-alone round on a 2-core
-  CPU), where a loop updates its buffers in place."""
+  `lax.cond`: a cond returning the cache copied it every round, where a loop updates its
+  buffers in place (pspec's root-alone rounds on a 2-core CPU: 1.16-1.18 plain rounds with the
+  cond, 1.05-1.08 with the loop; docs/design.md section 3.7)."""
   width = state.pending.tokens.shape[1]
 
   def full(s):
