@@ -191,6 +191,25 @@ def test_measured_costs_are_relative_to_the_root_alone(target, temperature):
   assert {"jit(_init)", "jit(run)"}.isdisjoint(COMPILED), COMPILED
 
 
+def test_rounds_are_timed_when_the_prefill_ends_every_answer(target):
+  """Every token an EOS: the prefill's token ends each answer, yet the context calibration
+  times from is active and its rounds run (before, no round ran from such a context and noise
+  was stored as the costs)."""
+  drafter = testing.drafter_for("pspec", target).with_head(target)
+  cfg = decode.DecodeConfig(
+    tree=TREE, max_new_tokens=12, eos_ids=tuple(range(target.cfg.vocab_size))
+  )
+  plan = decode.make_plan(cfg, drafter, WIDTH)
+  tokens, lengths = testing.padded(testing.PROMPTS[:2])
+  tokens = np.pad(tokens, ((0, 0), (0, WIDTH - tokens.shape[1])))
+  assert decode.init(plan, target, drafter, tokens, lengths, jax.random.key(0)).done.all()
+  start = calibration._start(plan, target, drafter, PROMPT, 2, WIDTH)
+  assert not start.done.any()
+  state = calibration._copy(start)  # `decode.run` takes its state
+  out = decode.run(plan, target, drafter, state, start.step + 3, np.bool_(True))
+  assert int(out.step) == int(start.step) + 3
+
+
 @pytest.mark.parametrize("option", [(0, False), (1, False), (2, True)])
 def test_option_rounds_run_their_candidate_from_the_same_context(target, option):
   """What calibration times: with the choice pinned to an option, a round verifies that
