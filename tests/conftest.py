@@ -23,17 +23,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One persistent compilation cache for the session's workers and the programs they start: the
 # CLI tests compile the same real-model programs again and again.
-os.environ.setdefault(
-  "JAX_COMPILATION_CACHE_DIR",
-  os.path.join(os.path.dirname(os.path.dirname(__file__)), ".pytest_cache", "jax"),
-)
+_SUITE_CACHE = os.path.join(os.path.dirname(os.path.dirname(__file__)), ".pytest_cache")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(_SUITE_CACHE, "jax"))
 # The suite's own `pspec_jax.cache_dir` (the CPU kernel's build, round-cost calibrations,
 # tokenizers), never the user's: rounds timed while both cores run tests are not this machine's
 # costs, and stored in the user's cache they would steer the next `make bench` (a run after
 # `make test` read a root-alone round of 13.6 ms there, against 6.6 ms on a quiet machine).
-os.environ["PSPEC_JAX_CACHE"] = os.path.join(
-  os.path.dirname(os.path.dirname(__file__)), ".pytest_cache", "pspec_jax"
-)
+os.environ["PSPEC_JAX_CACHE"] = os.path.join(_SUITE_CACHE, "pspec_jax")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
