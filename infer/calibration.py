@@ -34,6 +34,8 @@ enough to turn the loop's choice at T = 1, where the candidates' tokens per cost
 percent of each other. Paired over 15 turns, the same costs in three calibrations of one sitting
 spread by 1-5% (1.31-1.33 and 1.33-1.40 for the two drafted candidates asked about), and matched
 the candidates' rounds timed inside whole decodes with the choice pinned (1.27 and 1.36).
+A turn in which some option's round came out at or below zero (its short call slowed more than
+its long one, as when a test suite shares the cores) is dropped, and more turns are timed.
 
 A file that cannot be read as a calibration (corrupt, or of another version) is reported in one
 line and measured again; it never stops a decode.
@@ -74,6 +76,10 @@ PINNED_IN, PINNED_OUT = 1e-3, 1e9
 # would add the same to every option and pull their costs towards the root alone's.
 SHORT_ROUNDS, ROUNDS = 2, 12
 REPEATS = 15  # turns timed (`measure.interleaved_times`)
+# A turn in which some option's round comes out at or below zero (its short call slowed by
+# more than its long one: another process took the cores) says nothing and is dropped; up to
+# ATTEMPTS times `repeats` turns are timed until at least half of `repeats` are kept.
+ATTEMPTS = 4
 
 
 def default_path() -> str:
@@ -209,6 +215,34 @@ class _Rounds:
     return call
 
 
+def _round_times(calls: dict, options, repeats: int, kept: int):
+  """ms per round of each option, and the feed's share of a round, per turn kept (a turn
+  where every option's round is positive), from `calls` (`measure`'s). RuntimeError if too few
+  turns are kept."""
+  per_round = {option: [] for option in options}
+  feed = []
+  for _ in range(ATTEMPTS):
+    times = measure_lib.interleaved_times(calls, repeats)
+    turn_feed = np.asarray(times.pop("feed", [0.0] * repeats)) / (kept + 1)  # per round
+    rounds = {
+      (c, chain): (
+        np.asarray(times[(c, chain, ROUNDS)]) - np.asarray(times[(c, chain, SHORT_ROUNDS)])
+      )
+      / (ROUNDS - SHORT_ROUNDS)
+      for c, chain in per_round
+    }
+    keep = np.logical_and.reduce([t > 0 for t in rounds.values()])
+    for option, t in rounds.items():
+      per_round[option] += list(t[keep])
+    feed += list(turn_feed[keep])
+    if 2 * len(feed) >= repeats:
+      return {option: np.asarray(t) for option, t in per_round.items()}, np.asarray(feed)
+  raise RuntimeError(
+    f"round times are noise: {len(feed)} of {ATTEMPTS * repeats} turns timed every round above "
+    "zero (is another program using the cores?)"
+  )
+
+
 def measure(
   target, drafter, cfg, batch: int, ids: list[int], width: int, repeats: int = REPEATS
 ) -> dict:
@@ -243,15 +277,7 @@ def measure(
     full = pending.replace(count=jnp.full_like(pending.count, pending.tokens.shape[1]))
     cache = _copy(state.drafter_cache)  # the rounds take the state's own buffers
     calls["feed"] = (jax.jit(propose_lib.feed), drafter, target, cache, full)
-  times = measure_lib.interleaved_times(calls, repeats)
-  feed = np.asarray(times.pop("feed", [0.0] * repeats)) / (kept + 1)  # per round, per turn
-  per_round = {  # ms, per turn
-    (c, chain): (
-      np.asarray(times[(c, chain, ROUNDS)]) - np.asarray(times[(c, chain, SHORT_ROUNDS)])
-    )
-    / (ROUNDS - SHORT_ROUNDS)
-    for c, chain in adaptive.options(pool)
-  }
+  per_round, feed = _round_times(calls, adaptive.options(pool), repeats, kept)
   root = per_round[(0, False)] + feed  # the root alone: the adaptive round to beat
   out = {}
   for c, cand in enumerate(pool.candidates):

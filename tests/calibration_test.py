@@ -163,6 +163,51 @@ def test_a_fixed_tree_needs_no_calibration(target, tmp_path, fake_measure):
   assert not fake_measure and not (tmp_path / "costs.json").exists()
 
 
+def _scripted_turns(monkeypatch, turns):
+  """`measure.interleaved_times` handing out `turns` in order: each a list, per turn, of
+  (short, long) call times of options (0, False) and (1, False), and the feed's."""
+  script = iter(turns)
+
+  def interleaved_times(calls, repeats):
+    batch = next(script)
+    assert len(batch) == repeats
+    times = {name: [] for name in calls}
+    for (root, other), feed in batch:
+      for (c, n), t in zip(
+        [(0, calibration.SHORT_ROUNDS), (0, calibration.ROUNDS)]
+        + [(1, calibration.SHORT_ROUNDS), (1, calibration.ROUNDS)],
+        [*root, *other],
+        strict=True,
+      ):
+        times[(c, False, n)].append(t)
+      times["feed"].append(feed)
+    return times
+
+  monkeypatch.setattr(calibration.measure_lib, "interleaved_times", interleaved_times)
+  calls = {
+    (c, False, n): None for c in (0, 1) for n in (calibration.SHORT_ROUNDS, calibration.ROUNDS)
+  }
+  return calls | {"feed": None}
+
+
+def test_turns_whose_rounds_come_out_below_zero_are_dropped_and_timed_again(monkeypatch):
+  span = calibration.ROUNDS - calibration.SHORT_ROUNDS
+  good = ((20.0, 20.0 + 10 * span), (30.0, 30.0 + 15 * span)), 4.0  # rounds 10 and 15 ms
+  noise = ((50.0, 40.0), (30.0, 30.0 + 15 * span)), 4.0  # the root's short call slowed
+  calls = _scripted_turns(monkeypatch, [[good, noise, noise], [good, good, good]])
+  per_round, feed = calibration._round_times(calls, [(0, False), (1, False)], 3, kept=1)
+  np.testing.assert_allclose(per_round[(0, False)], [10.0] * 4)
+  np.testing.assert_allclose(per_round[(1, False)], [15.0] * 4)
+  np.testing.assert_allclose(feed, [2.0] * 4)  # a feed per kept + 1 rounds
+
+
+def test_rounds_that_are_all_noise_are_reported(monkeypatch):
+  noise = ((50.0, 40.0), (30.0, 60.0)), 4.0
+  calls = _scripted_turns(monkeypatch, [[noise, noise]] * calibration.ATTEMPTS)
+  with pytest.raises(RuntimeError, match="round times are noise: 0 of 8 turns"):
+    calibration._round_times(calls, [(0, False), (1, False)], 2, kept=1)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_measured_costs_are_relative_to_the_root_alone(target, temperature):
   """Greedy rounds, and sampled rounds with drafts drawn from q, timed for real, in the programs
