@@ -34,8 +34,8 @@ enough to turn the loop's choice at T = 1, where the candidates' tokens per cost
 percent of each other. Paired over 15 turns, the same costs in three calibrations of one sitting
 spread by 1-5% (1.31-1.33 and 1.33-1.40 for the two drafted candidates asked about), and matched
 the candidates' rounds timed inside whole decodes with the choice pinned (1.27 and 1.36).
-A turn in which some option's round came out at or below zero (its short call slowed more than
-its long one, as when a test suite shares the cores) is dropped, and more turns are timed.
+An option's round that comes out at or below zero in a turn (its short call slowed more than its
+long one, as when a test suite shares the cores) is left out, and more turns are timed.
 
 A file that cannot be read as a calibration (corrupt, or of another version) is reported in one
 line and measured again; it never stops a decode.
@@ -76,9 +76,9 @@ PINNED_IN, PINNED_OUT = 1e-3, 1e9
 # would add the same to every option and pull their costs towards the root alone's.
 SHORT_ROUNDS, ROUNDS = 2, 12
 REPEATS = 15  # turns timed (`measure.interleaved_times`)
-# A turn in which some option's round comes out at or below zero (its short call slowed by
-# more than its long one: another process took the cores) says nothing and is dropped; up to
-# ATTEMPTS times `repeats` turns are timed until at least half of `repeats` are kept.
+# An option's round that comes out at or below zero in a turn (its short call slowed more than
+# its long one: another process took the cores) says nothing and is left out; up to ATTEMPTS
+# times `repeats` turns are timed until each option has half of `repeats` turns to compare.
 ATTEMPTS = 4
 
 
@@ -216,30 +216,26 @@ class _Rounds:
 
 
 def _round_times(calls: dict, options, repeats: int, kept: int):
-  """ms per round of each option, and the feed's share of a round, per turn kept (a turn
-  where every option's round is positive), from `calls` (`measure`'s). RuntimeError if too few
-  turns are kept."""
-  per_round = {option: [] for option in options}
-  feed = []
+  """ms per round of each option (NaN in a turn where it came out at or below zero), and the
+  feed's share of a round, per turn, from `calls` (`measure`'s): turns are timed until each
+  option has at least half of `repeats` turns positive along with the root alone's.
+  RuntimeError where it has not after ATTEMPTS times `repeats` turns."""
+  per_round = {option: np.zeros(0) for option in options}
+  feed = np.zeros(0)
   for _ in range(ATTEMPTS):
     times = measure_lib.interleaved_times(calls, repeats)
-    turn_feed = np.asarray(times.pop("feed", [0.0] * repeats)) / (kept + 1)  # per round
-    rounds = {
-      (c, chain): (
-        np.asarray(times[(c, chain, ROUNDS)]) - np.asarray(times[(c, chain, SHORT_ROUNDS)])
-      )
-      / (ROUNDS - SHORT_ROUNDS)
-      for c, chain in per_round
-    }
-    keep = np.logical_and.reduce([t > 0 for t in rounds.values()])
-    for option, t in rounds.items():
-      per_round[option] += list(t[keep])
-    feed += list(turn_feed[keep])
-    if 2 * len(feed) >= repeats:
-      return {option: np.asarray(t) for option, t in per_round.items()}, np.asarray(feed)
+    feed = np.append(feed, np.asarray(times.pop("feed", [0.0] * repeats)) / (kept + 1))
+    for c, chain in per_round:
+      t = np.asarray(times[(c, chain, ROUNDS)]) - np.asarray(times[(c, chain, SHORT_ROUNDS)])
+      t = np.where(t > 0, t / (ROUNDS - SHORT_ROUNDS), np.nan)
+      per_round[(c, chain)] = np.append(per_round[(c, chain)], t)
+    root = ~np.isnan(per_round[(0, False)])
+    fewest = min(np.sum(root & ~np.isnan(t)) for t in per_round.values())
+    if 2 * fewest >= repeats:
+      return per_round, feed
   raise RuntimeError(
-    f"round times are noise: {len(feed)} of {ATTEMPTS * repeats} turns timed every round above "
-    "zero (is another program using the cores?)"
+    f"round times are noise: an option's rounds came out above zero in {fewest} of "
+    f"{len(feed)} turns along with the root alone's (is another program using the cores?)"
   )
 
 
@@ -289,7 +285,7 @@ def measure(
     ratios = [measure_lib.paired_ratio(t, root) for t in per_turn]
     out[cand.spec] = dict(
       costs=[1.0 if c == 0 else max(1.0, float(r)) for r in ratios],
-      round_ms=[float(np.median(t)) for t in per_turn],
+      round_ms=[float(np.nanmedian(t)) for t in per_turn],
       nodes=[n0, n1],
     )
   return out

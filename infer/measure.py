@@ -8,6 +8,7 @@ them alike.
 """
 
 import dataclasses
+import math
 import os
 import statistics
 import sys
@@ -61,8 +62,10 @@ def paired_ratio(times, base) -> float:
   """The median over turns of times[r] / base[r] (sequences of the same length), both timed in
   turn r (`interleaved_times`).
   On a shared machine the speed drifts by tens of percent within a minute; each turn's ratio
-  is taken at one speed, and so is steadier than a ratio of the two medians."""
-  return statistics.median(t / b for t, b in zip(times, base, strict=True))
+  is taken at one speed, and so is steadier than a ratio of the two medians. A turn where
+  either time is NaN (not timed) is left out."""
+  ratios = [t / b for t, b in zip(times, base, strict=True)]
+  return statistics.median(r for r in ratios if not math.isnan(r))
 
 
 def encode_prompts(

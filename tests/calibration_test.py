@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from infer import calibration
+from infer import measure as measure_lib
 from pspec_jax import cpu_kernel, decode, llama, testing
 from pspec_jax.sampling import SamplingConfig
 
@@ -190,21 +191,27 @@ def _scripted_turns(monkeypatch, turns):
   return calls | {"feed": None}
 
 
-def test_turns_whose_rounds_come_out_below_zero_are_dropped_and_timed_again(monkeypatch):
+def test_rounds_that_come_out_below_zero_are_left_out_and_more_turns_timed(monkeypatch):
   span = calibration.ROUNDS - calibration.SHORT_ROUNDS
   good = ((20.0, 20.0 + 10 * span), (30.0, 30.0 + 15 * span)), 4.0  # rounds 10 and 15 ms
   noise = ((50.0, 40.0), (30.0, 30.0 + 15 * span)), 4.0  # the root's short call slowed
   calls = _scripted_turns(monkeypatch, [[good, noise, noise], [good, good, good]])
   per_round, feed = calibration._round_times(calls, [(0, False), (1, False)], 3, kept=1)
-  np.testing.assert_allclose(per_round[(0, False)], [10.0] * 4)
-  np.testing.assert_allclose(per_round[(1, False)], [15.0] * 4)
-  np.testing.assert_allclose(feed, [2.0] * 4)  # a feed per kept + 1 rounds
+  nan = float("nan")
+  np.testing.assert_allclose(per_round[(0, False)], [10.0, nan, nan, 10.0, 10.0, 10.0])
+  np.testing.assert_allclose(per_round[(1, False)], [15.0] * 6)
+  np.testing.assert_allclose(feed, [2.0] * 6)  # a feed per kept + 1 rounds
+  # The option's cost: from the turns both were timed in.
+  assert measure_lib.paired_ratio(per_round[(1, False)], per_round[(0, False)]) == 1.5
 
 
 def test_rounds_that_are_all_noise_are_reported(monkeypatch):
   noise = ((50.0, 40.0), (30.0, 60.0)), 4.0
   calls = _scripted_turns(monkeypatch, [[noise, noise]] * calibration.ATTEMPTS)
-  with pytest.raises(RuntimeError, match="round times are noise: 0 of 8 turns"):
+  with pytest.raises(
+    RuntimeError,
+    match="round times are noise: an option's rounds came out above zero in 0 of 8 turns",
+  ):
     calibration._round_times(calls, [(0, False), (1, False)], 2, kept=1)
 
 
