@@ -35,7 +35,8 @@ percent of each other. Paired over 15 turns, the same costs in three calibration
 spread by 1-5% (1.31-1.33 and 1.33-1.40 for the two drafted candidates asked about), and matched
 the candidates' rounds timed inside whole decodes with the choice pinned (1.27 and 1.36).
 An option's round that comes out at or below zero in a turn (its short call slowed more than its
-long one, as when a test suite shares the cores) is left out, and more turns are timed.
+long one, as when a test suite shares the cores) is left out, and more turns are timed; where
+most turns stay noise, each option's round comes from its fastest calls (a warning says so).
 
 A file that cannot be read as a calibration (corrupt, or of another version) is reported in one
 line and measured again; it never stops a decode.
@@ -78,7 +79,8 @@ SHORT_ROUNDS, ROUNDS = 2, 12
 REPEATS = 15  # turns timed (`measure.interleaved_times`)
 # An option's round that comes out at or below zero in a turn (its short call slowed more than
 # its long one: another process took the cores) says nothing and is left out; up to ATTEMPTS
-# times `repeats` turns are timed until each option has half of `repeats` turns to compare.
+# times `repeats` turns are timed until each option has half of `repeats` turns to compare
+# (after that, the fastest calls of all turns give each option's round: `_round_times`).
 ATTEMPTS = 4
 
 
@@ -215,32 +217,42 @@ class _Rounds:
     return call
 
 
-def _round_times(calls: dict, options, repeats: int, kept: int):
+def _round_times(calls: dict, options, repeats: int, kept: int, log):
   """ms per round of each option (NaN in a turn where it came out at or below zero), and the
   feed's share of a round, per turn, from `calls` (`measure`'s): turns are timed until each
-  option has at least half of `repeats` turns positive along with the root alone's.
-  RuntimeError where it has not after ATTEMPTS times `repeats` turns."""
-  per_round = {option: np.zeros(0) for option in options}
-  feed = np.zeros(0)
+  option has at least half of `repeats` turns positive along with the root alone's. Where it
+  has not after ATTEMPTS times `repeats` turns, each option's round is taken in every turn from
+  its fastest calls (the ones least delayed), and `log` says so."""
+  times = {name: [] for name in calls}
   for _ in range(ATTEMPTS):
-    times = measure_lib.interleaved_times(calls, repeats)
-    feed = np.append(feed, np.asarray(times.pop("feed", [0.0] * repeats)) / (kept + 1))
-    for c, chain in per_round:
-      t = np.asarray(times[(c, chain, ROUNDS)]) - np.asarray(times[(c, chain, SHORT_ROUNDS)])
-      t = np.where(t > 0, t / (ROUNDS - SHORT_ROUNDS), np.nan)
-      per_round[(c, chain)] = np.append(per_round[(c, chain)], t)
+    for name, t in measure_lib.interleaved_times(calls, repeats).items():
+      times[name] += t
+    t = {name: np.asarray(t) for name, t in times.items()}
+    feed = t.pop("feed", np.zeros(len(t[(0, False, ROUNDS)]))) / (kept + 1)
+    per_round = {}
+    for c, chain in options:
+      long, short = t[(c, chain, ROUNDS)], t[(c, chain, SHORT_ROUNDS)]
+      per_round[(c, chain)] = np.where(
+        long > short, (long - short) / (ROUNDS - SHORT_ROUNDS), np.nan
+      )
     root = ~np.isnan(per_round[(0, False)])
-    fewest = min(np.sum(root & ~np.isnan(t)) for t in per_round.values())
+    fewest = min(np.sum(root & ~np.isnan(r)) for r in per_round.values())
     if 2 * fewest >= repeats:
       return per_round, feed
-  raise RuntimeError(
-    f"round times are noise: an option's rounds came out above zero in {fewest} of "
-    f"{len(feed)} turns along with the root alone's (is another program using the cores?)"
+  log(
+    f"round times were noise: an option's rounds came out above zero in {fewest} of {len(feed)} "
+    "turns along with the root alone's (is another program using the cores?); each option's "
+    "round is taken from its fastest calls"
   )
+  for c, chain in options:
+    long, short = t[(c, chain, ROUNDS)].min(), t[(c, chain, SHORT_ROUNDS)].min()
+    fastest = (long - short) / (ROUNDS - SHORT_ROUNDS) if long > short else long / ROUNDS
+    per_round[(c, chain)] = np.full(len(feed), fastest)
+  return per_round, feed
 
 
 def measure(
-  target, drafter, cfg, batch: int, ids: list[int], width: int, repeats: int = REPEATS
+  target, drafter, cfg, batch: int, ids: list[int], width: int, repeats: int = REPEATS, log=None
 ) -> dict:
   """Raw times (ms per round, medians of `repeats`) and the costs of every candidate of the
   adaptive tree of DecodeConfig `cfg`, for prompts `width` tokens wide, under its sampling
@@ -273,7 +285,8 @@ def measure(
     full = pending.replace(count=jnp.full_like(pending.count, pending.tokens.shape[1]))
     cache = _copy(state.drafter_cache)  # the rounds take the state's own buffers
     calls["feed"] = (jax.jit(propose_lib.feed), drafter, target, cache, full)
-  per_round, feed = _round_times(calls, adaptive.options(pool), repeats, kept)
+  log = log or (lambda text: print(text, file=sys.stderr, flush=True))
+  per_round, feed = _round_times(calls, adaptive.options(pool), repeats, kept, log)
   root = per_round[(0, False)] + feed  # the root alone: the adaptive round to beat
   out = {}
   for c, cand in enumerate(pool.candidates):
@@ -339,7 +352,7 @@ def costs_for(
   names = [candidate_key(drafter, c, rule) for c in pool.candidates]
   if recalibrate or any(n not in entries for n in names):
     log(f"calibrating round costs for {pool.spec}{rule} on {key} ...")
-    measured = measure(target, drafter, cfg, batch, ids, width)
+    measured = measure(target, drafter, cfg, batch, ids, width, log=log)
     fresh = {n: measured[c.spec] for n, c in zip(names, pool.candidates, strict=True)}
     entries.update(fresh)
     log(explain(key, fresh))

@@ -196,7 +196,7 @@ def test_rounds_that_come_out_below_zero_are_left_out_and_more_turns_timed(monke
   good = ((20.0, 20.0 + 10 * span), (30.0, 30.0 + 15 * span)), 4.0  # rounds 10 and 15 ms
   noise = ((50.0, 40.0), (30.0, 30.0 + 15 * span)), 4.0  # the root's short call slowed
   calls = _scripted_turns(monkeypatch, [[good, noise, noise], [good, good, good]])
-  per_round, feed = calibration._round_times(calls, [(0, False), (1, False)], 3, kept=1)
+  per_round, feed = calibration._round_times(calls, [(0, False), (1, False)], 3, 1, print)
   nan = float("nan")
   np.testing.assert_allclose(per_round[(0, False)], [10.0, nan, nan, 10.0, 10.0, 10.0])
   np.testing.assert_allclose(per_round[(1, False)], [15.0] * 6)
@@ -205,14 +205,20 @@ def test_rounds_that_come_out_below_zero_are_left_out_and_more_turns_timed(monke
   assert measure_lib.paired_ratio(per_round[(1, False)], per_round[(0, False)]) == 1.5
 
 
-def test_rounds_that_are_all_noise_are_reported(monkeypatch):
-  noise = ((50.0, 40.0), (30.0, 60.0)), 4.0
-  calls = _scripted_turns(monkeypatch, [[noise, noise]] * calibration.ATTEMPTS)
-  with pytest.raises(
-    RuntimeError,
-    match="round times are noise: an option's rounds came out above zero in 0 of 8 turns",
-  ):
-    calibration._round_times(calls, [(0, False), (1, False)], 2, kept=1)
+def test_rounds_that_stay_noise_come_from_the_fastest_calls_and_are_reported(monkeypatch):
+  # In no turn are both rounds above zero: the root's is in one, the other option's in the other.
+  one = ((50.0, 200.0), (30.0, 25.0)), 4.0
+  other = ((250.0, 210.0), (30.0, 60.0)), 4.0
+  calls = _scripted_turns(monkeypatch, [[one, other]] * calibration.ATTEMPTS)
+  logs = []
+  per_round, feed = calibration._round_times(calls, [(0, False), (1, False)], 2, 1, logs.append)
+  assert "came out above zero in 0 of 8 turns" in logs[0] and "fastest calls" in logs[0]
+  # The root's fastest calls: 200 long, 50 short. The other's fastest long call (25) is shorter
+  # than its fastest short one (30): its round is then the long call's, per round.
+  span = calibration.ROUNDS - calibration.SHORT_ROUNDS
+  np.testing.assert_allclose(per_round[(0, False)], [150.0 / span] * 8)
+  np.testing.assert_allclose(per_round[(1, False)], [25.0 / calibration.ROUNDS] * 8)
+  assert len(feed) == 8
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
