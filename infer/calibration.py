@@ -81,7 +81,7 @@ REPEATS = 15  # turns timed (`measure.interleaved_times`)
 # its long one: another process took the cores) says nothing and is left out; up to ATTEMPTS
 # times `repeats` turns are timed until each option has half of `repeats` turns to compare
 # (after that, the fastest calls of all turns give each option's round: `_round_times`).
-ATTEMPTS = 4
+ATTEMPTS = 2
 
 
 def default_path() -> str:

@@ -38,7 +38,7 @@ def fake_measure(monkeypatch):
   """calibration.measure counting its calls, with made-up times."""
   calls = []
 
-  def measure(target, drafter, cfg, batch, ids, width, repeats=5):
+  def measure(target, drafter, cfg, batch, ids, width, repeats=5, log=None):
     calls.append((target.cfg.name, batch, cfg.sampling))
     pool = decode.resolve_tree(cfg, drafter)
     return {
