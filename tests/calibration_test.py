@@ -212,13 +212,14 @@ def test_rounds_that_stay_noise_come_from_the_fastest_calls_and_are_reported(mon
   calls = _scripted_turns(monkeypatch, [[one, other]] * calibration.ATTEMPTS)
   logs = []
   per_round, feed = calibration._round_times(calls, [(0, False), (1, False)], 2, 1, logs.append)
-  assert "came out above zero in 0 of 8 turns" in logs[0] and "fastest calls" in logs[0]
+  turns = 2 * calibration.ATTEMPTS
+  assert f"came out above zero in 0 of {turns} turns" in logs[0] and "fastest calls" in logs[0]
   # The root's fastest calls: 200 long, 50 short. The other's fastest long call (25) is shorter
   # than its fastest short one (30): its round is then the long call's, per round.
   span = calibration.ROUNDS - calibration.SHORT_ROUNDS
-  np.testing.assert_allclose(per_round[(0, False)], [150.0 / span] * 8)
-  np.testing.assert_allclose(per_round[(1, False)], [25.0 / calibration.ROUNDS] * 8)
-  assert len(feed) == 8
+  np.testing.assert_allclose(per_round[(0, False)], [150.0 / span] * turns)
+  np.testing.assert_allclose(per_round[(1, False)], [25.0 / calibration.ROUNDS] * turns)
+  assert len(feed) == turns
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
