@@ -84,6 +84,11 @@ REPEATS = 15  # turns timed (`measure.interleaved_times`)
 ATTEMPTS = 2
 
 
+def _to_stderr(text: str) -> None:
+  """The default `log`: stderr."""
+  print(text, file=sys.stderr, flush=True)
+
+
 def default_path() -> str:
   return os.path.join(pspec_jax.cache_dir("calibration"), FILE)
 
@@ -285,7 +290,7 @@ def measure(
     full = pending.replace(count=jnp.full_like(pending.count, pending.tokens.shape[1]))
     cache = _copy(state.drafter_cache)  # the rounds take the state's own buffers
     calls["feed"] = (jax.jit(propose_lib.feed), drafter, target, cache, full)
-  log = log or (lambda text: print(text, file=sys.stderr, flush=True))
+  log = log or _to_stderr
   per_round, feed = _round_times(calls, adaptive.options(pool), repeats, kept, log)
   root = per_round[(0, False)] + feed  # the root alone: the adaptive round to beat
   out = {}
@@ -336,7 +341,7 @@ def costs_for(
   copies of it, in the program that decodes prompts `width` tokens wide) and stored. `log`
   (default: stderr) gets every measured table and any problem with the file; `recalibrate`
   measures every candidate again."""
-  log = log or (lambda text: print(text, file=sys.stderr, flush=True))
+  log = log or _to_stderr
   pool = decode.resolve_tree(cfg, drafter)
   if not pool.candidates:
     return ()
