@@ -301,9 +301,10 @@ def test_prompt_sets_ship_offline():
 
 
 @pytest.mark.slow
-def test_a_real_run_writes_results_report_and_plots(tmp_path):
+def test_a_real_run_writes_results_report_and_plots(tmp_path, drafting_pays):
   """The embedded default with its shipped pspec drafter and HF generate, on held-out ShareGPT,
-  greedy (sampling runs the same path; its rows are `test_rows_pool_tau...`'s)."""
+  greedy (sampling runs the same path; its rows are `test_rows_pool_tau...`'s). The pspec
+  drafter's adaptive tree reads round costs from a calibration where drafting pays."""
   out = tmp_path / "bench"
   result = subprocess.run(
     [
@@ -316,12 +317,13 @@ def test_a_real_run_writes_results_report_and_plots(tmp_path):
       f"--config.out={out}",
     ],
     cwd=ROOT,
-    env=testing.cli_env(),
+    env={**testing.cli_env(), **drafting_pays(batch=1)},
     capture_output=True,
     text=True,
     timeout=600,
   )
   assert result.returncode == 0, result.stderr
+  assert "calibrating" not in result.stderr  # the costs were read from the file
   results = json.loads((out / "results.json").read_text())
   assert {"machine", "devices", "jax_version", "target", "drafters", "config"} <= set(
     results["meta"]
@@ -332,13 +334,13 @@ def test_a_real_run_writes_results_report_and_plots(tmp_path):
     assert set(r) >= ROW_KEYS and r["dataset"] == "sharegpt" and r["num_prompts"] == 2
     assert r["temperature"] == 0 and r["tokens_per_s"] > 0 and r["speedup"] > 0
     assert 0 < r["tokens"] <= 2 * 8
-  # The drafter's default on a CPU: its adaptive tree, whose rounds per candidate tree it reports
-  # (round costs calibrated on the way).
+  # The drafter's default on a CPU: its adaptive tree, whose rounds per candidate tree it reports.
   shipped = drafter_files.shipped_drafter("smollm2-135m-instruct", "pspec")
   shipped = json.loads((pathlib.Path(shipped) / drafter_files.CONFIG_FILE).read_text())
   assert shipped["device_trees"]["cpu"]["default_tree"] == "adaptive"
   assert rows["pspec"]["tree"] == "adaptive"
-  assert sum(rows["pspec"]["chosen"].values()) > 0
+  chosen = rows["pspec"]["chosen"]
+  assert sum(chosen.values()) > 0 and sum(n for tree, n in chosen.items() if tree != "paths:") > 0
   assert rows["none"]["lossless"] is True and rows["pspec"]["lossless"] is True
   # HF runs the float32 model; with the kernel the target decodes from its GGUF blocks with
   # 8-bit activations, another model: no lossless check then.

@@ -1,6 +1,8 @@
 """Tests run on the CPU with 8 fake devices, so sharding code is exercised everywhere."""
 
+import dataclasses
 import os
+import types
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Compiling is most of the suite's time and most programs here run on tiny inputs, so XLA
@@ -33,6 +35,8 @@ os.environ["PSPEC_JAX_CACHE"] = os.path.join(_SUITE_CACHE, "pspec_jax")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+import pspec_jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -72,6 +76,45 @@ def pytest_collection_modifyitems(items):
   files with the most tests first, and those are the short ones here)."""
   slow = {item.path for item in items if item.get_closest_marker("slow")}
   items.sort(key=lambda item: item.path not in slow)  # stable: files and tests keep their order
+
+
+@pytest.fixture
+def drafting_pays(tmp_path):
+  """`drafting_pays(batch)`: the environment of a program a test starts (`testing.cli_env`'s
+  additions) whose cache holds a calibration in which every candidate of the embedded target's
+  shipped pspec drafter's adaptive tree (its CPU default) costs a plain round, greedy, at
+  `batch`: its rounds draft whatever the machine's load. Calibrated while the suite shares the
+  cores, drafted rounds measured 1.6-3.6 plain ones there, a decode rightly chose the root
+  alone throughout, and the calibration took minutes (the real one is `calibration_test`'s).
+  The CPU kernel's build and the tokenizers are the suite's own."""
+  from infer import calibration
+  from pspec_jax import checkpoints, decode, drafter_files
+
+  # The keys read configs alone (loading the weights took half a minute under load).
+  name = "smollm2-135m-instruct"
+  layout = checkpoints.decode_layout()
+  target = types.SimpleNamespace(
+    cfg=dataclasses.replace(checkpoints.load_target_config(name), weight_layout=layout)
+  )
+  shipped = drafter_files.shipped_drafter(name, "pspec")
+  drafter = types.SimpleNamespace(cfg=drafter_files.read_drafter_config(shipped, target.cfg))
+  pool = decode.resolve_tree(decode.DecodeConfig(), drafter)
+  assert pool.candidates, "the shipped pspec drafter decodes with an adaptive tree on a CPU"
+  entries = {calibration.candidate_key(drafter, c): dict(costs=[1.0, 1.0]) for c in pool.candidates}
+  root = tmp_path / "pspec_jax_cache"
+
+  def env(batch: int) -> dict:
+    calibration.save(
+      str(root / "calibration" / calibration.FILE),
+      {calibration.machine_key(target, batch): entries},
+    )
+    for shared in ("kernels", "tokenizers"):
+      os.makedirs(pspec_jax.cache_dir(shared), exist_ok=True)
+      if not (root / shared).exists():
+        os.symlink(pspec_jax.cache_dir(shared), root / shared)
+    return dict(PSPEC_JAX_CACHE=str(root))
+
+  return env
 
 
 @pytest.fixture(autouse=True)

@@ -11,11 +11,11 @@ from pspec_jax import checkpoints, testing
 from pspec_jax import prompts as prompts_lib
 
 
-def run_cli(*flags, timeout=300, devices=1):
+def run_cli(*flags, timeout=300, devices=1, env=None):
   return subprocess.run(
     [sys.executable, "-m", "infer.generate", *flags],
     cwd=testing.ROOT,
-    env=testing.cli_env(devices),
+    env={**testing.cli_env(devices), **(env or {})},
     capture_output=True,
     text=True,
     timeout=timeout,
@@ -132,14 +132,18 @@ def test_without_json_a_run_ends_with_one_summary_line():
 @pytest.mark.parametrize(
   ("method", "tree"), [("pld", ""), ("pspec", ""), ("eagle", "fixed"), ("medusa", "fixed")]
 )
-def test_drafting_through_the_cli_is_lossless(plain_run, method, tree):
+def test_drafting_through_the_cli_is_lossless(plain_run, drafting_pays, method, tree):
   """Drafts accepted (tau > 1) and the tokens of plain greedy decoding, prompt for prompt;
   pspec, eagle and medusa use the drafters shipped for the embedded target: pspec its default
-  tree on a CPU (adaptive: its round costs calibrated at the first decode), eagle and medusa
-  their fixed ones (`--tree=fixed`)."""
+  tree on a CPU (adaptive: its round costs read from a calibration where drafting pays; the
+  real calibration is `bench_test`'s and `calibration_test`'s), eagle and medusa their fixed
+  ones (`--tree=fixed`)."""
   prompts, plain_lines = plain_run
   flags = [f"--method={method}"] + ([f"--tree={tree}"] if tree else [])
-  drafted = _json_lines(run_cli(f"--prompts={prompts}", *DRAFT_FLAGS, *flags))
+  env = drafting_pays(batch=2) if method == "pspec" else None
+  result = run_cli(f"--prompts={prompts}", *DRAFT_FLAGS, *flags, env=env)
+  assert "calibrating" not in result.stderr  # pspec's costs were read from the file
+  drafted = _json_lines(result)
   for spec, plain in zip(drafted, plain_lines, strict=True):
     assert spec["prompt"] == plain["prompt"]
     assert spec["tokens"] == plain["tokens"] and spec["num_tokens"] <= 24
