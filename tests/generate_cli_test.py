@@ -135,9 +135,8 @@ def test_without_json_a_run_ends_with_one_summary_line():
 def test_drafting_through_the_cli_is_lossless(plain_run, drafting_pays, method, tree):
   """Drafts accepted (tau > 1) and the tokens of plain greedy decoding, prompt for prompt;
   pspec, eagle and medusa use the drafters shipped for the embedded target: pspec its default
-  tree on a CPU (adaptive: its round costs read from a calibration where drafting pays; the
-  real calibration is `bench_test`'s and `calibration_test`'s), eagle and medusa their fixed
-  ones (`--tree=fixed`)."""
+  tree on a CPU (adaptive: its round costs read from a calibration where drafting pays; real
+  calibrations are `calibration_test`'s), eagle and medusa their fixed ones (`--tree=fixed`)."""
   prompts, plain_lines = plain_run
   flags = [f"--method={method}"] + ([f"--tree={tree}"] if tree else [])
   env = drafting_pays(batch=2) if method == "pspec" else None
