@@ -27,7 +27,11 @@
 // Threads: the calling thread and a pool of workers take tasks (panels, or a sequence's
 // key/value head) from one shared counter, so a worker that is late or descheduled never
 // holds the call up. Workers spin briefly between calls (a step makes hundreds of them,
-// microseconds apart), then sleep.
+// microseconds apart), then sleep. A thread that waits (the caller for the tasks the workers
+// took, a worker for the next call) gives up its core at every look once a short spin is over
+// (`Backoff`): where more threads are runnable than there are cores (other processes, a test
+// suite's workers), the thread it waits for then runs, instead of waiting for the spinner's
+// time slice to end.
 
 #include <sched.h>
 #if defined(__x86_64__)
@@ -933,6 +937,25 @@ inline void pause() {
 #endif
 }
 
+// Waiting for another thread: `kSpins` pauses (tens of microseconds: what a task of a quiet
+// machine's call takes), then a `sched_yield` at each look. With a core to itself a yield
+// returns at once; on a busy machine it lets the thread waited for run.
+class Backoff {
+ public:
+  void wait() {
+    if (spins_ < kSpins) {
+      ++spins_;
+      pause();
+    } else {
+      sched_yield();
+    }
+  }
+
+ private:
+  static constexpr int kSpins = 1024;
+  int spins_ = 0;
+};
+
 class Pool {
  public:
   explicit Pool(int threads) {
@@ -967,7 +990,7 @@ class Pool {
       cv_.notify_all();
     }
     take_tasks(gen);
-    while (done_.load(std::memory_order_acquire) < job.count) pause();
+    for (Backoff backoff; done_.load(std::memory_order_acquire) < job.count;) backoff.wait();
   }
 
   // Idle workers ask memory for `regions` (null: nothing) until the next call, a few lines at
@@ -1007,9 +1030,8 @@ class Pool {
       // sleep until the next call.
       const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
       bool woke = false;
-      while (!woke && std::chrono::steady_clock::now() < until) {
-        if (!read_some_ahead())
-          for (int i = 0; i < 64; ++i) pause();
+      for (Backoff backoff; !woke && std::chrono::steady_clock::now() < until;) {
+        if (!read_some_ahead()) backoff.wait();
         woke = (next_.load(std::memory_order_acquire) >> 32) != seen || stop_.load();
       }
       if (woke) continue;
