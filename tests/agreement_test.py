@@ -1,5 +1,6 @@
 """`infer.agreement`: teacher-forced depth-1 agreement, and rounds replayed from it."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -36,8 +37,11 @@ def test_replayed_rounds_are_the_decoders(smollm2, kind):
   cfg = decode.DecodeConfig(
     max_new_tokens=40, tree="paths:0", eos_ids=eos, pad_id=tokenizer.pad_token_id
   )
+  # The adaptive choice between the root alone and one drafted token, at a cost where drafting
+  # pays from an acceptance of 0.39 up.
+  choosing = dataclasses.replace(cfg, tree="adaptive:paths:0", costs=((1.0, 1.0), (1.39, 1.39)))
   lengths_seen = []
-  hits = []
+  hits, drafted = [], []
   for text in prompts:
     prompt = prompts_lib.encode_prompt(tokenizer, text, chat=True)
     tokens, lengths = prompts_lib.pad_batch([prompt])
@@ -50,8 +54,42 @@ def test_replayed_rounds_are_the_decoders(smollm2, kind):
     assert rounds == int(out.rounds[0])
     assert accepted == int(np.asarray(out.accepted_per_depth[0]).sum())
     hits.extend(agree)
+    # The replayed choice takes the adaptive decoder's every round.
+    out = jax.device_get(
+      decode.generate(target, tokens, lengths, jax.random.key(0), choosing, drafter)
+    )
+    assert np.asarray(out.tokens[0, : out.lengths[0]]).tolist() == answer
+    rounds, accepted, drafted_rounds = agreement.replay_choice(agree, 1.39)
+    assert rounds == int(out.rounds[0])
+    assert accepted == int(np.asarray(out.accepted_per_depth[0]).sum())
+    assert [rounds - drafted_rounds, drafted_rounds] == out.chosen.tolist()
+    drafted.append(drafted_rounds)
   assert 0 < np.mean(hits) < 1  # both outcomes were replayed
+  assert sum(drafted) > 0  # so was drafting
   assert lengths_seen[0][0] < 40 and lengths_seen[0][1] and lengths_seen[1][0] == 40
+
+
+def test_the_choice_replayed_drafts_where_drafts_are_accepted():
+  """`replay_choice` over made-up agreement: drafting goes on while drafts are accepted, stops
+  within a few rounds once they are not, and counts rounds and tokens as `replay_rounds` does."""
+  rounds, accepted, drafted = agreement.replay_choice(np.ones(100, bool), 1.39)
+  assert (rounds, accepted, drafted) == (50, 50, 50)
+  rounds, accepted, drafted = agreement.replay_choice(np.zeros(100, bool), 1.39)
+  assert (rounds, accepted) == (100, 0) and 0 < drafted <= 6
+  # Hits on odd tokens only: the first round (token 0) drafts on its prior and misses, which
+  # puts the next on token 1; from there every round drafts, hits and moves on two, but the
+  # last (token 99) keeps the answer's last token alone.
+  rounds, accepted, drafted = agreement.replay_choice(np.arange(100) % 2 == 1, 1.39)
+  assert (rounds, accepted, drafted) == (51, 49, 51)
+  assert agreement.replay_choice(np.array([], bool), 1.39) == (0, 0, 0)
+
+
+def test_a_bad_round_cost_is_one_clear_error():
+  agreement.check_round_cost(0.0, 1.0)  # no replay: any temperature
+  agreement.check_round_cost(1.39, 0.0)
+  for cost, temperature in [(1.0, 0.0), (-2.0, 0.0), (1.39, 0.7)]:
+    with pytest.raises(ValueError, match="--round_cost must be above 1"):
+      agreement.check_round_cost(cost, temperature)
 
 
 def test_bad_answers_are_one_clear_line(tmp_path):
